@@ -1,0 +1,125 @@
+"""Run a function on N local ranks, in fresh processes, and get one result per rank back.
+
+This is the batch-mode launcher used by the tests, the benchmark and scripts (the notebook
+path uses persistent ipyparallel engines instead, see :mod:`shardlab.cluster`). It is built
+so that it never hangs and never leaves processes behind:
+
+* the parent owns the rendezvous ``TCPStore`` on a free port picked by the OS, so there is no
+  port race and nothing to clean up;
+* every process group gets a timeout, so a mismatched collective raises instead of hanging;
+* the parent waits at most ``timeout`` seconds, then kills every child and raises;
+* an exception on any rank comes back as :class:`RankError` naming the rank and its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed; ``.failures`` maps rank -> traceback text."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = dict(sorted(failures.items()))
+        ranks = ", ".join(str(r) for r in self.failures)
+        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in self.failures.items())
+        super().__init__(f"rank(s) {ranks} failed:\n{detail}")
+
+
+def init_rank(rank: int, world_size: int, store, backend: str = "gloo", timeout: float = 60.0,
+              threads: int | None = 1) -> torch.device:
+    """Join the process group as ``rank`` and return this rank's device.
+
+    ``threads=1`` keeps N ranks from fighting over the cores (and avoids the fork-after-threads
+    hang); pass ``None`` to keep torch's default.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        **({"device_id": device} if backend == "nccl" else {}),
+    )
+    return device
+
+
+def _worker(rank, world_size, port, backend, pg_timeout, threads, fn, args, kwargs, results):
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=pg_timeout))
+        init_rank(rank, world_size, store, backend, pg_timeout, threads)
+        out = fn(*args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, labelled
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",
+              threads: int | None = 1, **kwargs) -> list:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their results in rank order.
+
+    ``fn`` must be importable (defined in a module, not in a notebook: use
+    :func:`shardlab.start_cluster` there). Its return value must be picklable; return CPU tensors.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    results = ctx.Queue()
+    # Collectives time out a little before the parent gives up, so ranks report their own error.
+    pg_timeout = max(5.0, timeout * 0.8)
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(r, world_size, store.port, backend, pg_timeout, threads, fn, args, kwargs, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outputs, failures = {}, {}
+    try:
+        while len(outputs) + len(failures) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
+                failures.update({r: f"no answer within {timeout:.0f} s (hung or killed)" for r in missing})
+                break
+            try:
+                rank, ok, out = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outputs and r not in failures]
+                for r in dead:
+                    failures[r] = f"process died with exit code {procs[r].exitcode}"
+                continue
+            (outputs if ok else failures)[rank] = out
+            if failures:  # one rank failed: give the others a moment to report, then stop
+                deadline = min(deadline, time.monotonic() + min(10.0, pg_timeout))
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        del store
+    if failures:
+        raise RankError(failures)
+    return [outputs[r] for r in range(world_size)]

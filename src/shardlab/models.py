@@ -1,0 +1,128 @@
+"""The course's models: a small GPT whose blocks are the natural FSDP units, and a toy MLP.
+
+Sizes are named so that notebooks, tests and the benchmark talk about the same thing:
+
+========  ======  ====  =====  =====  ==========
+name      blocks  d     heads  vocab  parameters
+========  ======  ====  =====  =====  ==========
+tiny      2       32    2      128    ~0.03 M
+small     4       128   4      1024   ~1.1 M
+gpt-13m   6       384   6      4096   ~13.8 M  (the benchmark's model)
+========  ======  ====  =====  =====  ==========
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 4096
+    d: int = 384
+    n_layer: int = 6
+    n_head: int = 6
+    seq: int = 64
+    tie_weights: bool = False
+
+
+SIZES = {
+    "tiny": GPTConfig(vocab=128, d=32, n_layer=2, n_head=2, seq=16),
+    "small": GPTConfig(vocab=1024, d=128, n_layer=4, n_head=4, seq=32),
+    "gpt-13m": GPTConfig(vocab=4096, d=384, n_layer=6, n_head=6, seq=64),
+}
+
+
+class Block(nn.Module):
+    """One transformer block: the default FSDP unit (gathered, run, freed as one)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d)
+        self.qkv = nn.Linear(cfg.d, 3 * cfg.d)
+        self.proj = nn.Linear(cfg.d, cfg.d)
+        self.ln2 = nn.LayerNorm(cfg.d)
+        self.fc = nn.Linear(cfg.d, 4 * cfg.d)
+        self.out = nn.Linear(4 * cfg.d, cfg.d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-shaped language model. Embeddings, final norm and head belong to the root unit."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d)
+        self.pos = nn.Embedding(cfg.seq, cfg.d)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d)
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt(size: str = "gpt-13m", **overrides) -> GPT:
+    """Build the GPT of a named size (see the module docstring)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
+    cfg = SIZES[size]
+    return GPT(GPTConfig(**{**cfg.__dict__, **overrides}))
+
+
+def batch(cfg: GPTConfig, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+    """This rank's slice of a deterministic global batch of token ids and next-token targets.
+
+    Every rank can rebuild the whole global batch from ``seed``; rank r takes rows
+    ``r::world_size``, so the union over ranks is the batch a single process would use.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab, (batch_size * world_size, cfg.seq + 1), generator=g)
+    mine = tokens[rank::world_size]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class MLP(nn.Module):
+    """A toy model with odd sizes (not multiples of 2, 3 or 4) to exercise padding."""
+
+    def __init__(self, sizes=(7, 13, 5), units: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(sizes[0] if i == 0 else sizes[1], sizes[1]), nn.Tanh()) for i in range(units)
+        )
+        self.head = nn.Linear(sizes[1], sizes[2])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
