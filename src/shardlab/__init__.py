@@ -1,3 +1,62 @@
-"""ShardLab: ZeRO-1/2/3 and FSDP built from scratch on torch.distributed, to be read and measured."""
+"""ShardLab: ZeRO-1/2/3 and FSDP built from scratch on torch.distributed, to be read and measured.
+
+The public names are imported lazily, so ``import shardlab`` is quick and a notebook only pays
+for the parts it uses.
+
+Engine (one plain-PyTorch API for stages 0-3)::
+
+    model, optimizer = shardlab.parallelize(model, stage=3, optimizer_cls=torch.optim.AdamW, lr=1e-3)
+
+Instruments (every number measured on live ranks)::
+
+    shardlab.memory_report(model, optimizer)        with shardlab.count_comm() as comm: ...
+    with shardlab.track_memory() as mem: ...        with shardlab.trace() as tr: ...
+    with shardlab.emulate_link("10GbE"): ...
+
+Runtime (ranks inside a notebook)::
+
+    cluster = shardlab.start_cluster(world_size=4)
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    # engine
+    "parallelize": "shardlab.api",
+    "full_state_dict": "shardlab.api",
+    "load_full_state_dict": "shardlab.api",
+    "clip_grad_norm_": "shardlab.api",
+    "MixedPrecision": "shardlab.api",
+    "ShardedOptimizer": "shardlab.sharded_optimizer",
+    "run_ranks": "shardlab.launch",
+    "RankError": "shardlab.launch",
+    # instruments
+    "memory_report": "shardlab.memory",
+    "track_memory": "shardlab.memory",
+    "saved_activations": "shardlab.memory",
+    "count_comm": "shardlab.traffic",
+    "trace": "shardlab.timeline",
+    "emulate_link": "shardlab.link",
+    "LINKS": "shardlab.link",
+    # runtime
+    "start_cluster": "shardlab.cluster",
+    "Cluster": "shardlab.cluster",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
