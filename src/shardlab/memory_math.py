@@ -1,0 +1,288 @@
+"""The formulas: per-device model-state memory and communication of DDP and ZeRO-1/2/3.
+
+These are the textbook numbers (ZeRO paper, Rajbhandari et al. 2020, §3 and §7) that the
+course sets beside live measurements. Notation follows the paper: ``params`` is Ψ, the
+parameter count; ``world_size`` is Nd, the data-parallel degree. A :class:`Recipe` says how
+many bytes each parameter costs as weights, gradients and optimizer state. Byte counts are
+exact (no rounding), and the functions also accept :class:`fractions.Fraction` so a test can
+check a printed table without float error. "GB" is 10^9 bytes, the paper's unit; GiB is 2^30.
+
+Only *model states* are counted. Activations, gathered units at stage 3, communication
+buffers and allocator fragmentation come on top: see :func:`gathered_unit_bytes`,
+:func:`activation_bytes` and the measured instruments. Run ``python -m shardlab memory --params 7.5e9 --gpus 64`` for the CLI table.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+GB = 10**9
+GIB = 2**30
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+STAGE_LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each kind of model state.
+
+    ``param_bytes`` are the weights the forward pass uses, ``grad_bytes`` every gradient
+    buffer, ``optim_bytes`` (the paper's K) everything the optimizer keeps, master weights
+    included. ZeRO-1 shards the optimizer bytes, ZeRO-2 also the gradient bytes, ZeRO-3 all.
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    description: str = ""
+
+    @property
+    def bytes_per_param(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe("mixed-adam", 2, 2, 12, "fp16/bf16 weights and grads; fp32 master, momentum, variance (ZeRO paper, K=12)"),
+        Recipe("fp32-adam", 4, 4, 8, "fp32 weights and grads; fp32 momentum and variance"),
+        Recipe("sgd-momentum", 4, 4, 4, "fp32 weights and grads; one fp32 momentum buffer"),
+        # The Ultra-Scale Playbook's ~20 B/param: bf16 grads (2) plus an fp32 accumulation
+        # buffer (4) that the 16-byte story leaves out, so grad_bytes = 6.
+        Recipe("bf16-fp32-grads", 2, 6, 12, "bf16 weights and grads, fp32 grad accumulation, fp32 master/m/v (Playbook, 20 B/param)"),
+    )
+}
+MIXED_ADAM = RECIPES["mixed-adam"]
+
+# Elements each rank moves per step, in multiples of Ψ, and which collectives move them.
+COMM_COLLECTIVES = {
+    "ddp": (("all_reduce grads", 2),),
+    "zero1": (("reduce_scatter grads", 1), ("all_gather params", 1)),
+    "zero2": (("reduce_scatter grads", 1), ("all_gather params", 1)),
+    "zero3": (("all_gather fwd", 1), ("all_gather bwd", 1), ("reduce_scatter grads", 1)),
+}
+
+
+def recipe(name_or_recipe) -> Recipe:
+    """Look a recipe up by name (a :class:`Recipe` passes through)."""
+    if isinstance(name_or_recipe, Recipe):
+        return name_or_recipe
+    if name_or_recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {name_or_recipe!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[name_or_recipe]
+
+
+def stage_name(stage) -> str:
+    """Normalise 0-3 or 'ddp'/'zero1'/'zero-2'/'ZeRO-3' to one of :data:`STAGES`."""
+    if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3:
+        return STAGES[stage]
+    key = str(stage).lower().replace("-", "").replace("_", "")
+    key = {"dp": "ddp", "0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3", "fsdp": "zero3"}.get(key, key)
+    if key not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; use 0-3 or one of {STAGES}")
+    return key
+
+
+def _check(params, world_size):
+    if not isinstance(params, numbers.Real) or isinstance(params, bool) or params <= 0:
+        raise ValueError(f"params must be a positive number, got {params!r}")
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size (number of devices) must be a positive integer, got {world_size!r}")
+
+
+def model_state_breakdown(params, world_size, recipe_=MIXED_ADAM) -> dict[str, dict[str, float]]:
+    """Per-device bytes of params / grads / optimizer state for each stage (the paper's Fig. 1)."""
+    _check(params, world_size)
+    r = recipe(recipe_)
+    p, g, k = r.param_bytes * params, r.grad_bytes * params, r.optim_bytes * params
+    n = world_size
+    return {
+        "ddp": {"params": p, "grads": g, "optimizer": k},
+        "zero1": {"params": p, "grads": g, "optimizer": k / n},
+        "zero2": {"params": p, "grads": g / n, "optimizer": k / n},
+        "zero3": {"params": p / n, "grads": g / n, "optimizer": k / n},
+    }
+
+
+def model_state_bytes(params, world_size, recipe_=MIXED_ADAM) -> dict[str, float]:
+    """Per-device model-state bytes for each stage: 16Ψ, 4Ψ+12Ψ/Nd, 2Ψ+14Ψ/Nd, 16Ψ/Nd for mixed Adam."""
+    return {s: sum(parts.values()) for s, parts in model_state_breakdown(params, world_size, recipe_).items()}
+
+
+def formula_text(stage, recipe_=MIXED_ADAM) -> str:
+    """The paper-style formula of a stage for a recipe, e.g. '4Ψ + 12Ψ/Nd'."""
+    r, s = recipe(recipe_), stage_name(stage)
+    replicated, sharded = {
+        "ddp": (r.bytes_per_param, 0),
+        "zero1": (r.param_bytes + r.grad_bytes, r.optim_bytes),
+        "zero2": (r.param_bytes, r.grad_bytes + r.optim_bytes),
+        "zero3": (0, r.bytes_per_param),
+    }[s]
+    terms = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/Nd"] if sharded else [])
+    return " + ".join(terms)
+
+
+def gathered_unit_bytes(largest_unit_params, recipe_=MIXED_ADAM, *, prefetch=True, include_grad=False):
+    """Extra room at stage 3 for gathered units, on top of the sharded state.
+
+    A unit is all-gathered before it runs; with prefetch the next unit's gather is in flight
+    while the current one computes, so two full units can be alive (FSDP's rate limiter
+    allows at most two gathers in flight). In backward, the unit's full gradient also exists
+    until its reduce-scatter finishes: ``include_grad`` adds one unit of gradient bytes.
+    """
+    if not isinstance(largest_unit_params, numbers.Real) or largest_unit_params < 0:
+        raise ValueError(f"largest_unit_params must be a non-negative number, got {largest_unit_params!r}")
+    r = recipe(recipe_)
+    extra = (2 if prefetch else 1) * largest_unit_params * r.param_bytes
+    return extra + (largest_unit_params * r.grad_bytes if include_grad else 0)
+
+
+def comm_elements(stage, params) -> float:
+    """Elements each rank sends+receives per step, as the paper counts them: 2Ψ, 2Ψ, 2Ψ, 3Ψ."""
+    _check(params, 1)
+    return sum(k for _, k in COMM_COLLECTIVES[stage_name(stage)]) * params
+
+
+def ring_bytes_per_rank(stage, params, world_size, dtype_bytes=2) -> float:
+    """Bytes each rank actually sends in ring collectives per step: (N-1)/N × volume × dtype size."""
+    _check(params, world_size)
+    return comm_elements(stage, params) * (world_size - 1) / world_size * dtype_bytes
+
+
+def deepspeed_estimate(params, world_size, stage=3, largest_layer_params=0) -> float:
+    """DeepSpeed's estimator (no offload), in bytes, to compare with the textbook formula.
+
+    ``estimate_zero2_model_states_mem_needs``: 2P + 18P/T; ``estimate_zero3_...``: 4·L + 18P/T,
+    where 18 = 2 fp16 grads + 4 fp32 grads + 4 fp32 master + 8 Adam, and L is the largest
+    layer. DeepSpeed prints ``bytes / 2**30`` and labels it "GB" (it is GiB). It differs from
+    the ideal on purpose: it counts the implementation's fp32 gradient buffer and a gather buffer.
+    """
+    _check(params, world_size)
+    s = stage_name(stage)
+    if s == "zero2":
+        return 2 * params + int(18 * params / world_size)
+    if s == "zero3":
+        return 4 * largest_layer_params + int(18 * params / world_size)
+    raise ValueError("DeepSpeed's estimators cover ZeRO-2 and ZeRO-3 only")
+
+
+def gpt_param_count(cfg) -> int:
+    """Parameters of :class:`shardlab.models.GPT` for a config (12d²+13d per block)."""
+    d, v = cfg.d, cfg.vocab
+    block = 12 * d * d + 13 * d
+    root = v * d + cfg.seq * d + 2 * d + (0 if getattr(cfg, "tie_weights", False) else v * d)
+    return root + cfg.n_layer * block
+
+
+def activation_bytes(cfg, batch_size, dtype_bytes=4, *, checkpoint=False) -> dict[str, int]:
+    """Estimated activation memory of one forward of the course's GPT, kept for backward.
+
+    Counted per block (b·T·d elements each, in the compute dtype): LayerNorm inputs 2, qkv
+    input 1, q/k/v 3, attention output 1, its reshaped copy into ``proj`` 1, MLP input 1,
+    GELU input 4, ``out`` input 4 = 17. This assumes a fused attention kernel (no T×T score
+    matrix) and no dropout, and ignores small per-row statistics (LayerNorm mean/rstd,
+    attention log-sum-exp). The root adds the final LayerNorm and head inputs (2·b·T·d) and
+    the fp32 log-softmax saved by the loss (4·b·T·vocab bytes). With per-block activation
+    checkpointing, each block keeps only its input, and backward recomputes one block at a
+    time, so the peak is L·b·T·d + 17·b·T·d. An estimate: the measured check comes from
+    ``shardlab.saved_activations``.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if dtype_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8, got {dtype_bytes!r}")
+    btd = batch_size * cfg.seq * cfg.d
+    per_block = 17 * btd * dtype_bytes
+    blocks = (cfg.n_layer * btd * dtype_bytes + per_block) if checkpoint else cfg.n_layer * per_block
+    root = 2 * btd * dtype_bytes + 4 * batch_size * cfg.seq * cfg.vocab
+    return {"per_block": per_block, "blocks": blocks, "root": root, "total": blocks + root}
+
+
+_SUFFIX = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text) -> float:
+    """Parse '7.5e9', '7500000000', '7.5B', '13M', '1T' into a positive number."""
+    s = str(text).strip().replace("_", "").replace(",", "")
+    scale = 1
+    if s and s[-1].upper() in _SUFFIX:
+        scale, s = _SUFFIX[s[-1].upper()], s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise ValueError(f"cannot read a parameter count from {text!r}; try 7.5e9 or 7.5B") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"parameter count must be positive and finite, got {text!r}")
+    return int(value) if value == int(value) else value
+
+
+def _human(n) -> str:
+    for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:g}{suffix}"
+    return f"{n:g}"
+
+
+def _exact(x):
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def main(argv=None) -> int:
+    """``python -m shardlab memory``: the per-stage table, or ``--json`` for programs."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(
+        prog="python -m shardlab memory",
+        description="Per-device model-state memory of DDP and ZeRO-1/2/3 (ZeRO paper formulas). "
+        "GB = 10^9 bytes (the paper's unit), GiB = 2^30 bytes.",
+    )
+    ap.add_argument("--params", default="7.5e9", help="parameter count Ψ: 7.5e9, 7.5B, 13M, 1T (default 7.5e9)")
+    ap.add_argument("--gpus", default="64", help="data-parallel devices Nd (default 64)")
+    ap.add_argument("--recipe", default="mixed-adam", help=f"one of {', '.join(RECIPES)} (default mixed-adam)")
+    ap.add_argument("--largest-layer", default=None, help="largest unit's params: adds stage-3 gather room and DeepSpeed's estimate")
+    ap.add_argument("--json", action="store_true", help="print bytes per device as JSON")
+    try:
+        args = ap.parse_args(argv)
+        params = parse_count(args.params)
+        try:
+            gpus = int(args.gpus)
+        except ValueError:
+            raise ValueError(f"--gpus must be a positive integer, got {args.gpus!r}") from None
+        r = recipe(args.recipe)
+        totals = model_state_bytes(params, gpus, r)
+        largest = parse_count(args.largest_layer) if args.largest_layer is not None else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    comm = {s: _exact(ring_bytes_per_rank(s, params, gpus, r.param_bytes)) for s in STAGES}
+    if args.json:
+        out = {s: _exact(v) for s, v in totals.items()}
+        out.update(
+            unit="bytes per device", params=_exact(params), gpus=gpus, recipe=r.name,
+            bytes_per_param=r.bytes_per_param, formula={s: formula_text(s, r) for s in STAGES},
+            comm_elements={s: _exact(comm_elements(s, params)) for s in STAGES}, ring_bytes_per_rank=comm,
+        )
+        if largest is not None:
+            out["zero3_gathered_bytes"] = _exact(gathered_unit_bytes(largest, r))
+            out["deepspeed_zero3_bytes"] = _exact(deepspeed_estimate(params, gpus, 3, largest))
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"Model states per device: Ψ = {_human(params)} params, Nd = {gpus} devices, recipe {r.name} "
+          f"({r.param_bytes} + {r.grad_bytes} + {r.optim_bytes} = {r.bytes_per_param} bytes/param)")
+    print(f"{'stage':<7} {'formula':<15} {'GB':>11} {'GiB':>11}   {'comm/step':>9} {'ring GB/rank':>12}")
+    for s in STAGES:
+        k = sum(n for _, n in COMM_COLLECTIVES[s])
+        print(f"{STAGE_LABELS[s]:<7} {formula_text(s, r):<15} {totals[s] / GB:>11.3f} {totals[s] / GIB:>11.3f}"
+              f"   {f'{k}Ψ':>9} {comm[s] / GB:>12.3f}")
+    if largest is not None:
+        extra = gathered_unit_bytes(largest, r)
+        ds = deepspeed_estimate(params, gpus, 3, largest)
+        print(f"ZeRO-3 + two gathered units of {_human(largest)} params (prefetch): {(totals['zero3'] + extra) / GB:.3f} GB")
+        print(f"DeepSpeed's ZeRO-3 estimate (4L + 18Ψ/Nd, prints GiB as 'GB'): {ds / GIB:.2f} GiB")
+    print("Model states only: activations, gathered units and buffers come on top. "
+          f"Ring bytes use {r.param_bytes}-byte elements.")
+    return 0
