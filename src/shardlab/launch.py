@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -62,7 +63,8 @@ def _worker(rank, world_size, port, backend, pg_timeout, threads, fn, args, kwar
                               timeout=datetime.timedelta(seconds=pg_timeout))
         init_rank(rank, world_size, store, backend, pg_timeout, threads)
         out = fn(*args, **kwargs)
-        results.put((rank, True, out))
+        # pickled here, by value: torch's queue would share tensors through this process's memory
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, labelled
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -109,7 +111,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
                 for r in dead:
                     failures[r] = f"process died with exit code {procs[r].exitcode}"
                 continue
-            (outputs if ok else failures)[rank] = out
+            (outputs if ok else failures)[rank] = pickle.loads(out) if ok else out
             if failures:  # one rank failed: give the others a moment to report, then stop
                 deadline = min(deadline, time.monotonic() + min(10.0, pg_timeout))
     finally:

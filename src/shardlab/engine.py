@@ -1,0 +1,246 @@
+"""What every ZeRO stage shares: units, gradient-ready hooks, the end of backward, no_sync.
+
+A stage (see ``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) only decides four things:
+
+* ``make_master(unit)``    which part of a unit the optimizer steps on this rank;
+* ``reduce_grads(unit)``   how a unit's gradients are combined across ranks, once they are ready;
+* ``finish_grads(...)``    what is kept when that communication completes;
+* ``after_step(unit)``     how the updated weights reach the parameters again.
+
+Everything else lives here, once: flattening the model into units, syncing rank 0's weights,
+knowing when a unit's gradients are all computed, and waiting for the communication at the end
+of backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from shardlab import comm, events
+from shardlab.flat import FlatUnit
+
+
+def find_unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
+    """The submodules that become units. Default: each child of every ``nn.ModuleList``.
+
+    That is one unit per transformer block for the usual model layouts; ``units`` may instead be
+    a module class, a tuple of classes, or a predicate ``f(module) -> bool``.
+    """
+    if units is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        chosen = {id(child) for lst in lists for child in lst}
+        match = lambda m: id(m) in chosen  # noqa: E731
+    elif isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        match = lambda m: isinstance(m, units)  # noqa: E731
+    elif callable(units):
+        match = units
+    else:
+        raise TypeError(f"units must be None, a module class, a tuple of classes or a predicate; got {units!r}")
+    return [(name, m) for name, m in model.named_modules() if m is not model and match(m)]
+
+
+def group_params(model: nn.Module, unit_modules) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Assign every trainable parameter to the innermost unit that contains it (root last).
+
+    A parameter reached from two different units (tied across units) cannot be sharded with
+    one owner, so it is rejected with the names that share it.
+    """
+    unit_of = {id(m): name for name, m in unit_modules}
+    owner: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
+    params: dict[str, list[nn.Parameter]] = {name: [] for name, _ in unit_modules}
+    params[""] = []
+
+    def walk(module, prefix, unit):
+        unit = unit_of.get(id(module), unit)
+        for pname, p in module._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            names.setdefault(id(p), []).append(prefix + pname)
+            if id(p) in owner and owner[id(p)] != unit:
+                raise ValueError(
+                    f"parameter {names[id(p)]} is shared by units {owner[id(p)]!r} and {unit!r}; "
+                    "put both modules in one unit (units=...) or untie the weights")
+            if id(p) not in owner:
+                owner[id(p)] = unit
+                params[unit].append(p)
+        for cname, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{cname}.", unit)
+
+    walk(model, "", "")
+    modules = dict(unit_modules) | {"": model}
+    order = [name for name, _ in unit_modules] + [""]
+    return [(name or "root", modules[name], params[name]) for name in order if params[name]]
+
+
+class Engine:
+    """The machinery shared by stages 0-3. Subclasses supply the four methods named above."""
+
+    stage: int
+
+    def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None,
+                 reshard_after_forward: bool = True, prefetch: bool = True):
+        self.model = model
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.sync = True  # False inside no_sync(): keep gradients local, communicate later
+        self.mixed = param_dtype is not None  # low-precision params, full-precision masters
+        events.set_phase("init")
+        groups = group_params(model, find_unit_modules(model, units))
+        self._check_same_model_on_every_rank(groups)
+        self._broadcast_untrained_state()
+        self.units: list[FlatUnit] = []
+        for name, module, params in groups:
+            unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size)
+            comm.broadcast(unit.full, src=0, unit=name)  # every rank starts from rank 0's weights
+            unit.module = module
+            unit.master = nn.Parameter(self.make_master(unit))
+            unit.cast(param_dtype or unit.master_dtype)
+            self.units.append(unit)
+        self.root = self.units[-1] if self.units[-1].module is model else None
+        self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # Stages 0 and 1 keep full gradients; in full precision they can live in p.grad as views.
+        self.grads_in_params = self.stage <= 1 and self.reduce_dtype == self.param_dtype
+        self._pending: list[tuple[FlatUnit, comm.Pending, torch.Tensor]] = []
+        self._grads_to_come: dict[FlatUnit, int] = {}
+        self._backward_started = False
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._on_grad_ready(unit))
+        model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
+
+    # -- the four decisions of a stage ------------------------------------------------------
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduce_grads(self, unit: FlatUnit) -> None:
+        raise NotImplementedError
+
+    def finish_grads(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def after_step(self, unit: FlatUnit) -> None:
+        raise NotImplementedError
+
+    # -- start: one model on every rank -----------------------------------------------------
+    def _check_same_model_on_every_rank(self, groups) -> None:
+        mine = torch.tensor([len(groups), sum(p.numel() for _, _, ps in groups for p in ps)])
+        everyone = torch.empty(2 * self.world_size, dtype=mine.dtype)
+        comm.all_gather(everyone, mine)
+        if not torch.equal(everyone.view(-1, 2), mine.expand(self.world_size, 2)):
+            raise ValueError(
+                "ranks hold different models (units, trainable elements per rank: "
+                f"{everyone.view(-1, 2).tolist()}); build the same model on every rank")
+
+    def _broadcast_untrained_state(self) -> None:
+        """Frozen parameters and buffers are not sharded; every rank takes rank 0's copy."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if not p.requires_grad:
+                    comm.broadcast(p.data)
+            for b in self.model.buffers():
+                comm.broadcast(b)
+
+    # -- forward ----------------------------------------------------------------------------
+    def _on_root_forward(self, module, args, kwargs):
+        events.set_phase("forward")
+        self._grads_to_come = {u: sum(p.requires_grad for p in u.params) for u in self.units}
+        if self.param_dtype != self.units[0].master_dtype:  # mixed precision: cast float inputs
+            cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    # -- backward ---------------------------------------------------------------------------
+    def _on_grad_ready(self, unit: FlatUnit) -> None:
+        """Called after each parameter's gradient is accumulated; a unit is done at zero."""
+        if not self._backward_started:
+            self._backward_started = True
+            events.set_phase("backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._grads_to_come[unit] -= 1
+        if self._grads_to_come[unit] == 0:
+            self.post_backward(unit)
+
+    def post_backward(self, unit: FlatUnit) -> None:
+        """A unit's gradients are all computed: start combining them across ranks (async)."""
+        if self.sync:
+            self.reduce_grads(unit)
+
+    def _end_of_backward(self) -> None:
+        """Autograd is done: finish units that got no gradient, then wait for all reductions."""
+        for unit in self.units:
+            if self._grads_to_come[unit] > 0:  # unused this step: reduce zeros, like every rank
+                self._grads_to_come[unit] = 0
+                self.post_backward(unit)
+        for unit, pending, grad in self._pending:
+            pending.wait()
+            self.finish_grads(unit, grad)
+        self._pending.clear()
+        self._backward_started = False
+
+    def accumulate(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        """Give the optimizer ``grad``; add to an earlier one unless the params already did."""
+        if unit.master.grad is None or self.grads_in_params:
+            unit.master.grad = grad.to(unit.master.dtype)
+        else:
+            unit.master.grad += grad
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside keep gradients local (no communication)."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    # -- optimizer --------------------------------------------------------------------------
+    def step(self) -> None:
+        for unit in self.units:
+            self.after_step(unit)
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.master.grad = None
+            unit.set_param_grads(None)
+
+
+class StageOptimizer(torch.optim.Optimizer):
+    """The optimizer ``parallelize`` returns: ``optimizer_cls`` on this rank's masters.
+
+    ``step()`` runs the wrapped optimizer on whatever the stage gave it (the whole model at
+    stage 0, one shard per unit at stages 1-3), then lets the stage bring the new weights back.
+    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers just work.
+    """
+
+    def __init__(self, engine: Engine, optimizer_cls, **kwargs):
+        self.engine = engine
+        self.inner = optimizer_cls([u.master for u in engine.units], **kwargs)
+        super().__init__([u.master for u in engine.units], self.inner.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("step(closure) is not supported: compute the loss, call backward(), then step()")
+        events.set_phase("step")
+        events.emit("step_start")
+        self.inner.step()
+        self.engine.step()
+        events.emit("step_end")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)

@@ -1,0 +1,100 @@
+"""ZeRO-3 / FSDP: ZeRO-2, but the weights are sharded too and borrowed one unit at a time.
+
+The delta from ``zero2.py``: at rest a rank holds only its shard of every unit. Around each
+unit's forward and backward it borrows the rest and gives it back::
+
+    forward:   gather(unit) -> run -> free(unit)            (the root unit stays gathered)
+    backward:  gather(unit) -> run -> reduce_scatter(grads) -> free(unit)
+
+so the full weights of only about two units exist at any moment (the one running and the next
+one, prefetched). Communication rises from 2 to 3 model-sizes a step: the weights are
+all-gathered twice, and gradients are reduce-scattered once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from shardlab import events
+from shardlab.flat import FlatUnit
+from shardlab.zero2 import ZeRO2
+
+
+class FSDP(ZeRO2):
+    stage = 3
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self.forward_order = list(self.units)  # a guess for step 1; recorded from then on
+        self._recording: list[FlatUnit] = []
+        self._in_backward = False
+        for unit in self.units:
+            unit.free()  # at rest: the master shard only
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
+        model.register_forward_hook(self._on_root_forward_end)
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+        """A shard with its own memory: the full buffer it came from is about to be freed."""
+        return unit.my_shard(unit.full).clone()
+
+    def after_step(self, unit: FlatUnit) -> None:
+        """Nothing to gather: the next forward borrows the fresh shards when it needs them."""
+
+    # -- forward ----------------------------------------------------------------------------
+    def _on_root_forward(self, module, args, kwargs):
+        self._recording, self._in_backward = [], False
+        return super()._on_root_forward(module, args, kwargs)
+
+    def _on_root_forward_end(self, module, args, output):
+        self.forward_order = self._recording
+
+    def pre_forward(self, unit: FlatUnit) -> None:
+        self._recording.append(unit)
+        unit.gather()  # waits here if a prefetch already started it
+        events.emit("forward", unit=unit.name)
+        if self.prefetch and not self._in_backward:
+            self._prefetch(self.forward_order, unit)
+
+    def post_forward(self, unit: FlatUnit, output) -> None:
+        events.emit("forward_done", unit=unit.name)
+        if not torch.is_grad_enabled():  # no backward will come: give everything back
+            self._free(unit)
+            return
+        if self.reshard_after_forward and unit is not self.root and not self._in_backward:
+            self._free(unit)  # (in backward, this forward is a checkpoint's recompute: keep it)
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit: self.pre_backward(u))
+
+    # -- backward ---------------------------------------------------------------------------
+    def pre_backward(self, unit: FlatUnit) -> None:
+        """The gradient of the unit's output has arrived: its backward is next, gather it."""
+        self._in_backward = True
+        events.set_phase("backward")
+        unit.gather()
+        events.emit("backward", unit=unit.name)
+        if self.prefetch:
+            others = [u for u in reversed(self.forward_order) if u is not self.root]
+            self._prefetch(([self.root] if self.root else []) + others, unit)
+
+    def post_backward(self, unit: FlatUnit) -> None:
+        super().post_backward(unit)  # reduce-scatter the gradients (async)
+        self._free(unit)
+
+    def _end_of_backward(self) -> None:
+        super()._end_of_backward()
+        for unit in self.units:  # e.g. a prefetched unit that was not used after all
+            self._free(unit)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _prefetch(self, order: list[FlatUnit], unit: FlatUnit) -> None:
+        """Start the all-gather of the unit after ``unit`` in ``order``, without waiting."""
+        if unit in order and order.index(unit) + 1 < len(order):
+            order[order.index(unit) + 1].gather(async_op=True)
+
+    def _free(self, unit: FlatUnit) -> None:
+        if unit.is_gathered:
+            unit.free()
+            events.emit("free", unit=unit.name)
