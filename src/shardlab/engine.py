@@ -166,6 +166,7 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._grads_to_come[unit] -= 1
         if self._grads_to_come[unit] == 0:
+            events.emit("backward_done", unit=unit.name)
             self.post_backward(unit)
 
     def post_backward(self, unit: FlatUnit) -> None:
