@@ -1,0 +1,125 @@
+"""Slow-link emulation: the ring cost model, the presets, and a real collective slowed down."""
+
+import time
+
+import pytest
+import torch
+
+from shardlab import events, launch
+from shardlab.link import LINKS, Link, LinkEmulator, emulate_link, link_delay
+
+MB = 10**6
+
+
+def test_delay_follows_the_ring_cost_model():
+    n, nbytes, bw, lat = 4, 100 * MB, 8.0, 10.0  # 8 Gbit/s = 1 GB/s
+    alpha, beta = lat * 1e-6, 1e9
+    ag = link_delay("all_gather", nbytes // 4, 4, n, bw, lat)
+    assert ag == pytest.approx(3 * alpha + 3 / 4 * nbytes / beta)
+    assert link_delay("reduce_scatter", nbytes // 4, torch.float32, n, bw, lat) == pytest.approx(ag)
+    assert link_delay("all_reduce", nbytes // 2, torch.bfloat16, n, bw, lat) == pytest.approx(2 * ag)
+    assert link_delay("broadcast", nbytes, "uint8", n, bw, lat) == pytest.approx(3 * alpha + nbytes / beta)
+
+
+def test_one_rank_sends_nothing_and_latency_adds_up():
+    assert link_delay("all_reduce", 10**9, 4, 1, 1.0, 100.0) == 0.0
+    assert link_delay("all_gather", 0, 4, 8, 1.0, 100.0) == pytest.approx(7 * 100e-6)
+
+
+def test_presets_are_sane():
+    assert set(LINKS) == {"NVLink", "InfiniBand", "10GbE", "1GbE"}
+    order = [LINKS[k] for k in ("NVLink", "InfiniBand", "10GbE", "1GbE")]
+    assert [link.bandwidth_gbps for link in order] == sorted((link.bandwidth_gbps for link in order), reverse=True)
+    assert [link.latency_us for link in order] == sorted(link.latency_us for link in order)
+    assert LINKS["10GbE"].bandwidth_gbps == 10 and LINKS["1GbE"].bandwidth_gbps == 1
+    assert all(link.note for link in order)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(bandwidth_gbps=0), "bandwidth"), (dict(bandwidth_gbps=-1), "bandwidth"),
+    (dict(bandwidth_gbps=1, latency_us=-1), "latency"), (dict(preset="2GbE"), "unknown link preset"),
+    (dict(), "bandwidth_gbps or a preset"),
+])
+def test_bad_links_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        with emulate_link(**kwargs):
+            pass
+    assert not events.active()
+
+
+def test_bad_collective_inputs_are_refused():
+    with pytest.raises(ValueError, match="unknown collective"):
+        link_delay("all_to_all", 10, 4, 2, 1.0, 0.0)
+    with pytest.raises(ValueError, match="element size"):
+        link_delay("all_gather", 10, "complex-ish", 2, 1.0, 0.0)
+    with pytest.raises(ValueError, match="world_size"):
+        link_delay("all_gather", 10, 4, 0, 1.0, 0.0)
+
+
+def test_preset_by_position_with_override_and_no_nesting():
+    with emulate_link("1GbE", latency_us=0) as em:
+        assert em.link.bandwidth_gbps == 1 and em.link.latency_us == 0
+        with pytest.raises(RuntimeError, match="already emulated"):
+            with emulate_link("10GbE"):
+                pass
+    assert not events.active()
+
+
+def _issue(kind="all_gather", numel=125_000, world_size=2):
+    fields = dict(kind=kind, numel=numel, dtype=torch.float32, world_size=world_size, unit=None,
+                  start=time.perf_counter(), phase="forward")
+    events.emit("comm", **fields)
+    return fields
+
+
+def test_compute_between_issue_and_wait_hides_the_transfer():
+    # 125k float32 at 2 ranks on 0.04 Gbit/s: 0.5 MB / 5 MB/s = 0.05 s.
+    with emulate_link(bandwidth_gbps=0.04) as em:
+        op = _issue()
+        time.sleep(0.06)  # "compute" longer than the transfer
+        events.emit("comm_done", **op, end=time.perf_counter())
+    assert em.link_time_s == pytest.approx(0.05)
+    assert em.slept_s == 0.0  # nothing left to wait for
+
+
+def test_the_link_carries_one_transfer_at_a_time():
+    em = LinkEmulator(Link("slow", 0.04, 0.0))
+    with events.listen(em):
+        a, b = _issue(), _issue()
+        t0 = time.perf_counter()
+        events.emit("comm_done", **a, end=time.perf_counter())
+        events.emit("comm_done", **b, end=time.perf_counter())
+        elapsed = time.perf_counter() - t0
+    assert em.ops == 2 and em.link_time_s == pytest.approx(0.1)
+    assert 0.09 <= elapsed < 0.5  # the second waited for the first
+
+
+def timed_all_gather(bandwidth_gbps: float):
+    """Run on each of 2 ranks: an all-gather's time before, inside and after emulate_link."""
+    from shardlab import comm
+
+    shard = torch.ones(250_000)  # 1 MB a rank, 2 MB full
+    full = torch.empty(2 * shard.numel())
+
+    def once():
+        t = time.perf_counter()
+        comm.all_gather(full, shard)
+        return time.perf_counter() - t
+
+    once()
+    before = min(once() for _ in range(3))
+    with emulate_link(bandwidth_gbps, latency_us=0) as em:
+        during = once()
+    after = min(once() for _ in range(3))
+    return before, during, after, em.slept_s, events.active()
+
+
+def test_a_real_collective_is_slowed_then_restored():
+    bw = 0.05  # Gbit/s: 1 MB sent per rank -> 0.16 s
+    expected = link_delay("all_gather", 500_000, 4, 2, bw, 0.0)
+    assert expected == pytest.approx(0.16)
+    for before, during, after, slept, still_listening in launch.run_ranks(timed_all_gather, 2, bw, timeout=90):
+        assert during >= 0.95 * expected and during > before + 0.1
+        assert slept > 0.1
+        assert after < expected / 2
+        assert not still_listening
