@@ -168,7 +168,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise ValueError("only the L2 norm (norm_type=2.0) is supported")
     engine = _engine(model)
     masters = [u.master for u in engine.units if u.master.grad is not None]
-    total = torch.zeros(1, dtype=torch.float64, device=engine.units[0].master.device)
+    total = torch.zeros((), dtype=torch.float64, device=engine.units[0].master.device)
     for m in masters:
         total += m.grad.double().pow(2).sum()
     if engine.stage >= 1:  # the squares are spread over the ranks' shards
@@ -181,4 +181,4 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         grads = [m.grad for m in masters]
     if grads:
         torch._foreach_mul_(grads, coef)
-    return norm[0]
+    return norm
