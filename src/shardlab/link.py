@@ -17,7 +17,8 @@ blocks at ``wait()``. Sleeping at issue would block the issuing thread and make 
 (prefetch) look useless. So at issue we book the transfer on this rank's link, which carries
 one transfer at a time (two gathers in flight share it), and at completion we sleep only until
 the booked finish time. Compute done in between hides the transfer, as on a real network; a
-synchronous op simply takes ``max(loopback time, link time)``.
+synchronous op simply takes ``max(loopback time, link time)``. ``overlap=False`` is the
+pessimistic bound instead: every op sleeps its full link time on completion, hiding nothing.
 """
 
 from __future__ import annotations
@@ -108,27 +109,28 @@ class LinkEmulator:
     behind loopback time or compute, i.e. what the emulation actually added to the run.
     """
 
-    def __init__(self, link: Link):
+    def __init__(self, link: Link, overlap: bool = True):
         self.link = link
+        self.overlap = overlap
         self.ops = 0
         self.link_time_s = 0.0
         self.slept_s = 0.0
         self._free_at = 0.0  # when this rank's link finishes its booked transfers
-        self._finish: dict[tuple, float] = {}
+        self._finish: dict[tuple, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
     def delay(self, fields: dict) -> float:
         return link_delay(fields["kind"], fields["numel"], fields["dtype"], fields["world_size"],
                           self.link.bandwidth_gbps, self.link.latency_us)
 
-    def _book(self, fields: dict) -> float:
-        """Put the transfer on the link (one at a time) and return its finish time."""
+    def _book(self, fields: dict) -> tuple[float, float]:
+        """Put the transfer on the link (one at a time); return its finish time and cost."""
         cost = self.delay(fields)
         begin = max(fields["start"], self._free_at)
         self._free_at = begin + cost
         self.ops += 1
         self.link_time_s += cost
-        return self._free_at
+        return self._free_at, cost
 
     def __call__(self, name: str, fields: dict) -> None:
         if name not in ("comm", "comm_done"):
@@ -138,10 +140,11 @@ class LinkEmulator:
             if name == "comm":
                 self._finish[key] = self._book(fields)
                 return
-            finish = self._finish.pop(key, None)
-            if finish is None:  # issued before the emulation started: book it now
-                finish = self._book(fields)
-            wait = finish - time.perf_counter()
+            booked = self._finish.pop(key, None)
+            if booked is None:  # issued before the emulation started: book it now
+                booked = self._book(fields)
+            finish, cost = booked
+            wait = finish - time.perf_counter() if self.overlap else cost
         if wait > 0:
             time.sleep(wait)
             self.slept_s += wait
@@ -151,13 +154,15 @@ _active: LinkEmulator | None = None
 
 
 @contextmanager
-def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None):
+def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=True):
     """Make every engine collective inside the block cost what it would on a slower link.
 
     ``emulate_link("10GbE")`` uses a preset from :data:`LINKS`; ``emulate_link(bandwidth_gbps=1,
     latency_us=100)`` a custom link; ``emulate_link(preset="1GbE", latency_us=0)`` a preset with
-    an override. Bandwidth is in Gbit/s per direction. Yields a :class:`LinkEmulator` whose
-    ``link_time_s`` and ``slept_s`` say what the link cost. One emulated link at a time.
+    an override. Bandwidth is in Gbit/s per direction. ``overlap=False`` adds every op's full
+    link time, hiding none of it behind compute (see the module docstring). Yields a
+    :class:`LinkEmulator` whose ``link_time_s`` and ``slept_s`` say what the link cost. One
+    emulated link at a time.
     """
     global _active
     if isinstance(bandwidth_gbps, str):
@@ -179,7 +184,7 @@ def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None):
     _check_link(bandwidth_gbps, latency_us)
     if _active is not None:
         raise RuntimeError(f"a link is already emulated ({_active.link.name}); leave that block first")
-    emulator = LinkEmulator(Link(name, float(bandwidth_gbps), float(latency_us)))
+    emulator = LinkEmulator(Link(name, float(bandwidth_gbps), float(latency_us)), overlap=bool(overlap))
     _active = emulator
     try:
         with events.listen(emulator):
