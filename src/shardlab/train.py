@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         train(args)
+        # Leave together: a rank that tears down its gloo pairs while a peer still uses them can
+        # make that peer abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
