@@ -83,6 +83,10 @@ class Engine:
     """The machinery shared by stages 0-3. Subclasses supply the four methods named above."""
 
     stage: int
+    #: Start each unit's reduction as soon as its gradients are all computed, overlapping the
+    #: backward of the units before it (then its full gradients can be dropped). ZeRO-1 waits
+    #: for the whole backward instead, holding every full gradient until then.
+    reduce_as_ready = True
 
     def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None,
                  reshard_after_forward: bool = True, prefetch: bool = True):
@@ -106,8 +110,8 @@ class Engine:
         self.root = self.units[-1] if self.units[-1].module is model else None
         self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        # Stages 0 and 1 keep full gradients; in full precision they can live in p.grad as views.
-        self.grads_in_params = self.stage <= 1 and self.reduce_dtype == self.param_dtype
+        # Stage 0 keeps the averaged full gradients; in full precision they live in p.grad (views).
+        self.grads_in_params = self.stage == 0 and self.reduce_dtype == self.param_dtype
         self._pending: list[tuple[FlatUnit, comm.Pending, torch.Tensor]] = []
         self._grads_to_come: dict[FlatUnit, int] = {}
         self._backward_started = False
@@ -171,7 +175,7 @@ class Engine:
 
     def post_backward(self, unit: FlatUnit) -> None:
         """A unit's gradients are all computed: start combining them across ranks (async)."""
-        if self.sync:
+        if self.sync and self.reduce_as_ready:
             self.reduce_grads(unit)
 
     def _end_of_backward(self) -> None:
@@ -180,6 +184,9 @@ class Engine:
             if self._grads_to_come[unit] > 0:  # unused this step: reduce zeros, like every rank
                 self._grads_to_come[unit] = 0
                 self.post_backward(unit)
+        if self.sync and not self.reduce_as_ready:
+            for unit in self.units:
+                self.reduce_grads(unit)
         for unit, pending, grad in self._pending:
             pending.wait()
             self.finish_grads(unit, grad)

@@ -1,0 +1,78 @@
+"""Rank functions for the engine's behaviour tests: state dicts, buffers, bad input."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from workers import loss_of, make_batch, make_model
+
+import shardlab
+from shardlab.models import MLP
+
+
+def round_trip(configs: list[dict]):
+    """full_state_dict -> load_full_state_dict into a different model -> full_state_dict."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = []
+    for cfg in configs:
+        model, opt = shardlab.parallelize(make_model("gpt", 0), **cfg)
+        x, y = make_batch("gpt", 0, rank, world_size)
+        loss_of("gpt", model, x, y).backward()
+        opt.step()
+        saved = shardlab.full_state_dict(model)
+        other, _ = shardlab.parallelize(make_model("gpt", 7), **cfg)
+        shardlab.load_full_state_dict(other, saved)
+        with torch.no_grad():  # the loaded weights are the ones the model computes with
+            same_output = torch.equal(model(x), other(x))
+        out.append((saved, shardlab.full_state_dict(other), same_output))
+    return out
+
+
+class WithBuffer(MLP):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.register_buffer("scale", torch.full((3,), float(rank)))
+
+
+def buffers_from_rank0():
+    model, _ = shardlab.parallelize(WithBuffer(dist.get_rank()), stage=3)
+    return model.scale.clone()
+
+
+class SharedAcrossUnits(nn.Module):
+    """The same Linear weight used by two blocks: two units would both own it."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))
+        self.blocks[0][0].weight = shared.weight
+        self.blocks[1][0].weight = shared.weight
+
+
+def _error(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def bad_inputs():
+    """Each bad call's exception type and message (all ranks must raise, none may hang)."""
+    rank = dist.get_rank()
+    wrapped, _ = shardlab.parallelize(MLP(), stage=2)
+    return {
+        "stage 5": _error(lambda: shardlab.parallelize(MLP(), stage=5)),
+        "not a module": _error(lambda: shardlab.parallelize(lambda x: x, stage=3)),
+        "already wrapped": _error(lambda: shardlab.parallelize(wrapped, stage=3)),
+        "empty model": _error(lambda: shardlab.parallelize(nn.Sequential(), stage=3)),
+        "optimizer not a class": _error(lambda: shardlab.parallelize(MLP(), optimizer_cls="adam")),
+        "tied across units": _error(lambda: shardlab.parallelize(SharedAcrossUnits(), stage=3)),
+        "different models": _error(lambda: shardlab.parallelize(MLP(units=2 + rank), stage=3)),
+        "state dict of a plain model": _error(lambda: shardlab.full_state_dict(MLP())),
+        "missing key": _error(lambda: shardlab.load_full_state_dict(
+            wrapped, {k: v for k, v in shardlab.full_state_dict(wrapped).items() if k != "head.bias"})),
+        "units of a wrong type": _error(lambda: shardlab.parallelize(MLP(), units=3)),
+    }
