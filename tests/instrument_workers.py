@@ -1,0 +1,126 @@
+"""Rank functions for the instrument tests (memory, traffic, timeline), and a launch cache.
+
+Launching ranks costs seconds (each process imports torch), so one launch per world size
+measures every stage at once, and :func:`measured` caches it for all three test files.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+import shardlab
+from shardlab.launch import run_ranks
+from shardlab.memory import checkpoint_units
+from shardlab.models import batch, gpt, lm_loss
+
+# The course's GPT, narrowed to an odd width (d = 34) so units need padding at N = 3 and 4,
+# with 4 blocks so that stage 3 has more units than it may hold gathered at once.
+MODEL = "tiny"
+MODEL_KW = dict(d=34, n_layer=4)
+PER_RANK = 2
+
+
+@contextmanager
+def count_process_group_calls():
+    """Count every collective that reaches the process group, whichever Python path sent it.
+
+    All of ``torch.distributed``'s functions end in a method of ``ProcessGroup``; wrapping the
+    class's methods sees calls that bypass :mod:`shardlab.comm`.
+    """
+    pg = dist.ProcessGroup
+    names = [n for n in ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+                         "allgather_into_tensor_coalesced", "_allgather_base", "all_gather_single",
+                         "all_gather_single_coalesced", "reduce_scatter", "_reduce_scatter_base",
+                         "reduce_scatter_single", "reduce_scatter_single_coalesced",
+                         "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather", "scatter",
+                         "alltoall", "alltoall_base", "send", "recv", "recv_anysource", "barrier")
+             if hasattr(pg, n)]
+    counts: dict[str, int] = {}
+    originals = {n: getattr(pg, n) for n in names}
+    own = {n: pg.__dict__[n] for n in names if n in pg.__dict__}  # restored exactly, not re-wrapped
+
+    def wrap(name, fn):
+        def counted(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(self, *args, **kwargs)
+        return counted
+
+    for n, fn in originals.items():
+        setattr(pg, n, wrap(n, fn))
+    try:
+        yield counts
+    finally:
+        for n in names:
+            if n in own:
+                setattr(pg, n, own[n])
+            else:
+                delattr(pg, n)
+
+
+def _step(model, opt, step: int, rank: int, world_size: int) -> None:
+    x, y = batch(model.cfg, PER_RANK, seed=100 + step, rank=rank, world_size=world_size)
+    lm_loss(model(x), y).backward()
+    opt.step()
+
+
+def measure_stage(stage: int, *, prefetch: bool = True, checkpointing: bool = False) -> dict:
+    """Train one warm-up step, then measure one steady-state step with every instrument."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = gpt(MODEL, **MODEL_KW)
+    if checkpointing:
+        checkpoint_units(model)
+    model, opt = shardlab.parallelize(model, stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3,
+                                      prefetch=prefetch)
+    engine = model._shardlab
+    _step(model, opt, 0, rank, world_size)  # warm-up: optimizer state exists, forward order known
+    opt.zero_grad()
+    with shardlab.trace() as tr, shardlab.count_comm() as ledger:
+        with shardlab.track_memory(model, opt) as mem, count_process_group_calls() as pg_calls:
+            _step(model, opt, 1, rank, world_size)
+    rest = shardlab.memory_report(model, opt)
+    opt.zero_grad()
+    after_zero_grad = shardlab.memory_report(model, opt)
+    return dict(
+        stage=stage, rank=rank, world_size=world_size,
+        numel=[u.numel for u in engine.units], padded=[u.padded_numel for u in engine.units],
+        unit_names=[u.name for u in engine.units],
+        rest=dict(rest), after_zero_grad=dict(after_zero_grad),
+        peak=mem.peak, peak_activations=mem.peak_of("activations"), peak_gathered=mem.peak_of("gathered"),
+        peak_grads=mem.peak_of("grads"),
+        samples=mem.samples,
+        ledger=ledger.as_dict(), ledger_calls=ledger.calls(), ledger_elements=ledger.elements(),
+        ledger_table=ledger.table(params=sum(u.padded_numel for u in engine.units)),
+        pg_calls=pg_calls, events=tr.events,
+    )
+
+
+def measure_all(configs: list[dict]) -> list[dict]:
+    return [measure_stage(**cfg) for cfg in configs]
+
+
+@functools.cache
+def measured(world_size: int) -> list[list[dict]]:
+    """``result[rank][i]`` for every stage (i = stage), plus, at world size 2, the variants."""
+    configs = [dict(stage=s) for s in range(4)]
+    if world_size == 2:
+        configs += [dict(stage=3, prefetch=False)] + [dict(stage=s, checkpointing=True) for s in range(4)]
+    return run_ranks(measure_all, world_size, configs, timeout=120)
+
+
+def saved_bytes_single_process(checkpointing: bool) -> dict:
+    """Activations of one forward on one process (no ranks), with and without checkpointing."""
+    torch.manual_seed(0)
+    model = gpt(MODEL, **MODEL_KW)
+    if checkpointing:
+        checkpoint_units(model)
+    x, y = batch(model.cfg, PER_RANK, seed=0)
+    with shardlab.saved_activations(model) as act:
+        loss = lm_loss(model(x), y)
+    at_end_of_forward = act.bytes
+    loss.backward()
+    return dict(forward=at_end_of_forward, peak=act.peak, after_backward=act.bytes)
