@@ -30,7 +30,6 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
 
 figures: $(VENV)/.installed
 	$(BIN)/python -m shardlab figures

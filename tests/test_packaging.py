@@ -1,0 +1,36 @@
+"""The project's metadata agrees with itself: one list of dependencies, two files."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", requirement.strip(), maxsplit=1)[0].lower()
+
+
+def test_environment_yml_names_the_same_packages_as_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    conda, pip, section = set(), set(), None
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        text = line.split("#")[0].rstrip()
+        if text.endswith(":") and not text.startswith(" "):
+            section = text[:-1]  # top-level key: name, channels, dependencies
+        elif section == "dependencies" and text.startswith("  - ") and text != "  - pip:":
+            conda.add(text[4:].strip())
+        elif section == "dependencies" and text.startswith("      - "):
+            pip.add(text[8:].strip())
+    named = {_name(r) for r in conda | pip if not r.startswith("-")} - {"python", "pip"}
+    assert named == wanted, f"only in environment.yml: {named - wanted}; only in pyproject: {wanted - named}"
+    assert "-e ." in pip, "environment.yml must install the package itself (pip: -e .)"
+
+
+def test_torch_floor_is_2_9():
+    """fully_shard on gloo sums instead of averaging gradients before 2.9 (reference facts)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch>=2.9" in deps
