@@ -16,9 +16,15 @@ OPTIMIZERS = {
 
 
 def make_model(kind: str, seed: int, freeze=()):
-    """'gpt' (tiny GPT), 'gpt-tied' (head tied to the embedding) or 'mlp' (odd sizes: padding)."""
+    """The tiny GPT ('gpt'), with its head tied to the embedding ('gpt-tied'), with activation
+    checkpointing ('gpt-checkpointed'), or the MLP with odd sizes that need padding ('mlp')."""
     torch.manual_seed(seed)
-    model = {"gpt": lambda: gpt("tiny"), "gpt-tied": lambda: gpt("tiny", tie_weights=True), "mlp": MLP}[kind]()
+    model = {
+        "gpt": lambda: gpt("tiny"),
+        "gpt-tied": lambda: gpt("tiny", tie_weights=True),
+        "gpt-checkpointed": lambda: gpt("tiny", checkpoint=True),
+        "mlp": MLP,
+    }[kind]()
     for name, p in model.named_parameters():
         if name.startswith(tuple(freeze)):
             p.requires_grad_(False)

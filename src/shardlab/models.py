@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class GPTConfig:
     n_head: int = 6
     seq: int = 64
     tie_weights: bool = False
+    checkpoint: bool = False  # recompute each block in backward instead of saving its activations
 
 
 SIZES = {
@@ -84,7 +86,7 @@ class GPT(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.cfg.checkpoint and self.training else block(x)
         return self.head(self.ln_f(x))
 
 

@@ -51,7 +51,8 @@ class FSDP(ZeRO2):
         self.forward_order = self._recording
 
     def pre_forward(self, unit: FlatUnit) -> None:
-        self._recording.append(unit)
+        if not self._in_backward:  # (in backward, this is activation checkpointing's recompute)
+            self._recording.append(unit)
         unit.gather()  # waits here if a prefetch already started it
         events.emit("forward", unit=unit.name)
         if self.prefetch and not self._in_backward:
