@@ -111,9 +111,9 @@ def trace(gather: bool = True):
             loss_fn(model(x), y).backward(); optimizer.step()
         shardlab.plots.timeline(tr.events)
 
-    Every rank must enter and leave the block (entry is a barrier, exit a gather); pass
-    ``gather=False`` to keep only this rank's events (``tr.local``) and skip both collectives
-    on exit. If the block raises, nothing is exchanged, so a failing rank cannot hang the rest.
+    Every rank must enter and leave the block (entry is a barrier, exit a gather); with
+    ``gather=False`` the exit exchanges nothing and ``tr.events`` holds this rank's events only.
+    If the block raises, nothing is exchanged, so a failing rank cannot hang the others.
     """
     tr = Trace()
     tr.start()
