@@ -24,6 +24,7 @@ class DataParallel(Engine):
     def reduce_grads(self, unit: FlatUnit) -> None:
         """Sum every rank's gradients with one all-reduce per unit (divided when it lands)."""
         grad = unit.pack_grads(self.reduce_dtype)
+        unit.set_param_grads(None)  # packed: the per-parameter copies can go (views come back below)
         self._pending.append((unit, comm.all_reduce(grad, unit=unit.name, async_op=True), grad))
 
     def finish_grads(self, unit: FlatUnit, grad: torch.Tensor) -> None:
