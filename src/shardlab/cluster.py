@@ -110,9 +110,13 @@ def _init_rank(rank: int, world_size: int, host: str, port: int, backend: str, t
         dist.destroy_process_group()
     # One GPU per engine: local engines use cuda:rank, engines placed by SLURM their local id.
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", str(rank)))
+    # Joining may take long on a busy laptop, a collective should not: join with a generous
+    # timeout, then set the collectives' one.
+    join = max(timeout, 120.0)
     store = dist.TCPStore(host, port, world_size + 1, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    device = init_rank(rank, world_size, store, backend, timeout, threads)
+                          timeout=datetime.timedelta(seconds=join))
+    device = init_rank(rank, world_size, store, backend, join, threads)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, device=device)
     return {"pid": os.getpid(), "device": str(device)}
 
@@ -221,8 +225,10 @@ runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
 """
 
 
-def _guarded(module: str, preload: bool = False) -> list[str]:
-    return [sys.executable, "-c", _GUARD.format(module=module, preload=preload)]
+def _guarded(module: str, tag: str, preload: bool = False) -> list[str]:
+    """The command line of a guarded process; ``tag`` makes its processes easy to find (ps)."""
+    code = f"# shardlab cluster {tag}\n" + _GUARD.format(module=module, preload=preload)
+    return [sys.executable, "-c", code]
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,8 +351,8 @@ class Cluster:
         self._profile_dir = tempfile.mkdtemp(prefix="shardlab-ipp-")
         config = Config()
         if self.engines == "local":
-            config.LocalControllerLauncher.controller_cmd = _guarded("ipyparallel.controller")
-            config.LocalEngineSetLauncher.engine_cmd = _guarded("ipyparallel.engine", preload=True)
+            config.LocalControllerLauncher.controller_cmd = _guarded("ipyparallel.controller", self._profile_dir)
+            config.LocalEngineSetLauncher.engine_cmd = _guarded("ipyparallel.engine", self._profile_dir, preload=True)
             config.LocalEngineSetLauncher.delay = 0.0
             # Fewer processes start faster on a laptop: schedulers as threads, no nanny per
             # engine (we interrupt and watch local engines by pid ourselves).
@@ -396,7 +402,7 @@ class Cluster:
         del old  # frees the previous port
         self._store = dist.TCPStore(self.host if self.engines != "local" else "127.0.0.1", 0,
                                     self.world_size + 1, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=max(self.timeout, 30.0)))
+                                    timeout=datetime.timedelta(seconds=max(self.timeout, 120.0)))
         results = [
             self._client[eid].apply_async(_init_rank, rank, self.world_size, self.host,
                                           self._store.port, self.backend, self.timeout, self.threads)
@@ -433,10 +439,11 @@ class Cluster:
                 self._client.close()
             self._client = None
         if self._ipp is not None:
-            procs = self._processes()
+            # Ranks hold nothing worth a graceful shutdown: kill them all, then let ipyparallel
+            # notice (quick, since nothing is left to wait for).
+            _kill(self._processes())
             with contextlib.suppress(Exception):
                 self._ipp.stop_cluster_sync()
-            _kill(procs)
             self._ipp = None
         self._store = None
         if self._profile_dir:

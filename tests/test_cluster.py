@@ -1,0 +1,270 @@
+"""The notebook runtime: ranks on persistent ipyparallel engines, errors by rank, no hangs, no orphans.
+
+One 4-rank cluster serves most tests (starting one costs ~10 s on 2 cores). Functions are built
+with ``exec`` in a namespace named ``__main__``, which is exactly what a notebook cell does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import shardlab
+from shardlab.cluster import ClusterError, CollectiveTimeout, RankTimeout
+
+_cells = itertools.count()
+TIMEOUT = 4.0  # seconds a collective may wait: short, so that the timeout tests are quick
+
+
+def notebook(source: str) -> dict:
+    """Run ``source`` as a notebook cell would (module ``__main__``) and return its namespace."""
+    source = textwrap.dedent(source)
+    name = f"<notebook cell {next(_cells)}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # as IPython does
+    ns = {"__name__": "__main__"}
+    exec(compile(source, name, "exec"), ns)
+    return ns
+
+
+def lam(source: str):
+    """A lambda as a notebook cell would define it (``rank``, ``dist``... are the ranks' own)."""
+    return eval(source, {"__name__": "__main__"})
+
+
+def family() -> set[int]:
+    """Every live descendant of this test process (zombies count as gone)."""
+    alive = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def listening() -> set[int]:
+    """TCP ports this process listens on (the rendezvous store is one while a cluster runs)."""
+    conns = psutil.Process().net_connections(kind="tcp")
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def strays(profile_dirs) -> list[int]:
+    """Processes anywhere on the machine that belong to one of our (stopped) clusters."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(d in cmd for d in profile_dirs):
+            found.append(p.info["pid"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    before = family()
+    c = shardlab.start_cluster(4, timeout=TIMEOUT, quiet=True)
+    yield c
+    c.stop()
+    assert family() <= before
+
+
+def test_too_many_ranks_per_core_is_refused_with_the_fix():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="max_ranks_per_core"):
+        shardlab.Cluster(world_size=2 * cores + 1)
+
+
+def test_run_returns_one_result_per_rank_for_notebook_functions(cluster, capsys):
+    ns = notebook("""
+        import math as m
+
+        def scale(x):
+            return 10 * x
+
+        def step(k):
+            t = torch.ones(2) * rank
+            dist.all_reduce(t)                     # SUM over ranks: 0 + 1 + 2 + 3 = 6
+            print("hello from", rank)
+            return scale(rank) + k + m.floor(t[0].item())
+        """)
+    assert cluster.run(ns["step"], 1) == [7, 17, 27, 37]  # helper and import came along
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "hello" in line] == [
+        f"[rank {r}] hello from {r}" for r in range(4)]
+    assert cluster.run(lam("lambda: (rank, world_size)")) == [(r, 4) for r in range(4)]
+    assert cluster.run(lam("lambda a, b=0: a * b"), 3, b=2) == [6] * 4
+
+    t0 = time.perf_counter()
+    for _ in range(10):
+        cluster.run(lam("lambda: rank"))
+    per_run = (time.perf_counter() - t0) / 10
+    print(f"\nrepeated run latency: {per_run * 1000:.0f} ms", file=sys.stderr)
+    assert per_run < 1.0
+
+
+def test_cells_run_on_every_rank_and_state_stays_between_cells(cluster, capsys):
+    cluster.run_cell("x = torch.arange(3.) + 10 * rank\nprint('shape', tuple(x.shape))\nx.sum()")
+    out = capsys.readouterr().out.splitlines()
+    assert "[rank 2] shape (3,)" in out and "[rank 2] tensor(63.)" in out
+    assert cluster.pull("x")[2].tolist() == [20.0, 21.0, 22.0]
+    with pytest.raises(ClusterError, match="not defined"):
+        cluster.pull("no_such_variable")
+
+
+def test_ranks_magic_in_ipython(cluster, capsys):
+    from IPython.testing.globalipapp import start_ipython
+
+    from shardlab import cluster as runtime
+
+    shell = start_ipython()
+    runtime._register_magic()
+    shell.run_cell("%%ranks\ny = rank * 100\nprint('y is', y)", store_history=False)
+    out = capsys.readouterr().out
+    assert "[rank 3] y is 300" in out
+    assert cluster.pull("y") == [0, 100, 200, 300]
+
+
+def test_an_error_names_its_rank_quickly_and_keeps_the_state(cluster):
+    cluster.run_cell("kept = rank")
+    ns = notebook("""
+        def step():
+            if rank == 2:
+                raise ValueError("bad shard on rank 2")
+            t = torch.ones(4)
+            dist.all_reduce(t)                     # the others wait for rank 2 here
+            return t
+        """)
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError) as info:
+        cluster.run(ns["step"])
+    seconds = time.perf_counter() - t0
+    print(f"\ntime to surface a rank's error: {seconds * 1000:.0f} ms", file=sys.stderr)
+    message = str(info.value)
+    assert "rank 2 raised ValueError: bad shard on rank 2" in message
+    assert 'raise ValueError("bad shard on rank 2")' in message  # the failing line, from the cell
+    assert "ranks 0, 1, 3" in message.replace("rank(s)", "ranks")
+    assert set(info.value.failures) == {0, 1, 2, 3}
+    assert not isinstance(info.value, TimeoutError)
+    assert seconds < TIMEOUT  # the peers were released, not left to time out
+    assert cluster.run(lam("lambda: kept")) == [0, 1, 2, 3]
+    assert cluster.run(lam("lambda: dist.all_reduce(torch.ones(1)) or 1")) == [1] * 4
+
+
+def test_a_mismatched_collective_times_out_with_a_clear_message(cluster):
+    ns = notebook("""
+        def lonely():
+            if rank == 0:
+                dist.all_reduce(torch.ones(1))     # nobody else joins
+            return rank
+        """)
+    t0 = time.perf_counter()
+    with pytest.raises(CollectiveTimeout) as info:
+        cluster.run(ns["lonely"])
+    assert time.perf_counter() - t0 < TIMEOUT + 4
+    message = str(info.value)
+    assert f"did not complete within {TIMEOUT:.0f} s" in message
+    assert "same collectives in the same order" in message
+    assert isinstance(info.value, TimeoutError) and list(info.value.failures) == [0]
+    assert cluster.run(lam("lambda: dist.all_reduce(torch.ones(1)) or rank")) == [0, 1, 2, 3]
+
+
+def test_a_rank_stuck_in_python_is_interrupted(cluster):
+    ns = notebook("""
+        def spin():
+            while rank == 1:
+                pass
+            return rank
+        """)
+    with pytest.raises(RankTimeout, match=r"rank\(s\) 1 did not answer within 1 s"):
+        cluster.run(ns["spin"], timeout=1)
+    assert cluster.run(lam("lambda: kept")) == [0, 1, 2, 3]  # interrupted, not restarted
+
+
+def test_many_runs_and_failures_hold_no_extra_processes_or_ports(cluster):
+    procs, ports = family(), listening()
+    ns = notebook("""
+        def maybe_fail(i):
+            if i % 2 and rank == i % 4:
+                raise RuntimeError(f"failure {i}")
+            t = torch.ones(8)
+            dist.all_reduce(t)
+            return t[0].item()
+        """)
+    for i in range(40):
+        if i % 2:
+            with pytest.raises(ClusterError, match=f"rank {i % 4} raised RuntimeError: failure {i}"):
+                cluster.run(ns["maybe_fail"], i)
+        else:
+            assert cluster.run(ns["maybe_fail"], i) == [4.0] * 4
+    assert family() == procs
+    assert len(listening()) == len(ports)  # the store moved to a new port, no port piled up
+
+
+def test_a_dead_rank_is_reported_and_the_cluster_restarts(cluster, capsys):
+    old_pids = list(cluster.pids)
+    ns = notebook("""
+        def crash():
+            import os
+            if rank == 3:
+                os._exit(3)
+            return rank
+        """)
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError, match=r"rank\(s\) 3 died"):
+        cluster.run(ns["crash"])
+    assert time.perf_counter() - t0 < TIMEOUT + 2
+    cluster.quiet = False
+    try:
+        assert cluster.run(lam("lambda: rank")) == [0, 1, 2, 3]  # restarted on the next run
+    finally:
+        cluster.quiet = True
+    assert "restarting the ranks" in capsys.readouterr().out
+    assert not set(old_pids) & set(cluster.pids)
+    assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def test_starts_replacements_and_stops_leave_no_orphans_or_ports(cluster):
+    cluster.stop()  # the module's cluster: the rest starts its own
+    procs, ports, dirs = family(), listening(), []
+    first = shardlab.start_cluster(2, timeout=TIMEOUT, quiet=True)
+    dirs.append(first._profile_dir)
+    assert first.run(lam("lambda: rank")) == [0, 1]
+    second = shardlab.start_cluster(2, timeout=TIMEOUT, quiet=True)  # replaces the first
+    dirs.append(second._profile_dir)
+    assert "stopped" in repr(first) and not strays(dirs[:1])
+    with pytest.raises(RuntimeError, match="stopped"):
+        first.run(lam("lambda: 0"))
+    with second:
+        assert second.run(lam("lambda: dist.get_world_size()")) == [2, 2]
+    assert family() == procs and listening() == ports and not strays(dirs)
+
+
+def test_a_killed_kernel_takes_its_ranks_along(tmp_path):
+    """If the kernel dies without cleanup (SIGKILL), engines and controller kill themselves."""
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import time, shardlab
+        c = shardlab.start_cluster(2, quiet=True)
+        print(c._profile_dir, *c.pids, flush=True)
+        time.sleep(120)
+        """))
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        profile_dir, *pids = kernel.stdout.readline().split()
+        assert len(pids) == 2 and strays([profile_dir])
+    finally:
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait(10)
+    deadline = time.monotonic() + 10
+    while strays([profile_dir]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not strays([profile_dir])
