@@ -39,6 +39,7 @@ import contextlib
 import datetime
 import importlib
 import io
+import itertools
 import linecache
 import logging
 import os
@@ -61,6 +62,7 @@ _INTERRUPT_GRACE = 3.0
 
 _clusters: weakref.WeakSet = weakref.WeakSet()  # every live Cluster, stopped at exit
 _current: Cluster | None = None  # the one %%ranks talks to (the last started)
+_cell_numbers = itertools.count(1)  # names %%ranks cells in tracebacks, on each rank
 
 
 class ClusterError(RankError):
@@ -188,7 +190,7 @@ def _exec_cell(source: str, ns: dict) -> tuple[bool, object]:
     shell = _shell()
     if shell is not None:
         source = shell.transform_cell(source)  # %magics and !shell lines work in %%ranks cells
-    filename = f"<%%ranks cell {time.monotonic_ns()}>"
+    filename = f"<%%ranks cell {next(_cell_numbers)}>"
     # Keep the source so that tracebacks on this rank show the failing line.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     tree = ast.parse(source, filename=filename)
@@ -439,6 +441,7 @@ class Cluster:
                 self._client.close()
             self._client = None
         if self._ipp is not None:
+            self._ipp.log.setLevel(logging.CRITICAL)  # killed engines are expected: no log dumps
             # Ranks hold nothing worth a graceful shutdown: kill them all, then let ipyparallel
             # notice (quick, since nothing is left to wait for).
             _kill(self._processes())
@@ -491,21 +494,27 @@ class Cluster:
         imports and notebook functions it uses. Its printed output is shown labelled by rank.
         Raises :class:`ClusterError` naming the failed ranks, with their tracebacks.
         """
-        __tracebackhide__ = True
         if not callable(fn):
             raise TypeError(f"run expects a function, got {type(fn).__name__}")
         imports, defs = _references(fn)
-        return self._submit("call", fn, args, kwargs, imports, defs, timeout)
+        values, error = self._submit("call", fn, args, kwargs, imports, defs, timeout)
+        if error is not None:
+            raise error  # raised here, so that the notebook's traceback ends at cluster.run
+        return values
 
     def run_cell(self, source: str, timeout: float | None = None) -> list:
         """Run notebook-cell source on every rank (what %%ranks does); print output by rank."""
-        __tracebackhide__ = True
-        values = self._submit("cell", source, (), {}, {}, {}, timeout, show_values=True)
+        values, error = self._submit("cell", source, (), {}, {}, {}, timeout, show_values=True)
+        if error is not None:
+            raise error
         return values
 
     def pull(self, name: str) -> list:
         """The value of variable ``name`` on every rank, in rank order: ``cluster.pull("x")[2]``."""
-        return self._submit("call", _pull, (name,), {}, {}, {}, None)
+        values, error = self._submit("call", _pull, (name,), {}, {}, {}, None)
+        if error is not None:
+            raise error
+        return values
 
     def _ready(self) -> None:
         if self._stopped:
@@ -519,7 +528,7 @@ class Cluster:
             self._init_group()  # a rank failed last time and left the group: rebuild it (~0.1 s)
 
     def _submit(self, kind, payload, args, kwargs, imports, defs, timeout, show_values=False):
-        __tracebackhide__ = True
+        """Run on every rank; return (values in rank order, None) or (None, the error to raise)."""
         self._ready()
         waiting = self.timeout if timeout is None else float(timeout)
         results = [self._client[eid].apply_async(_on_rank, kind, payload, args, kwargs, imports, defs)
@@ -535,12 +544,12 @@ class Cluster:
         self._show(outcomes, show_values)
         failures = {r: o for r, o in enumerate(outcomes) if o is None or not o.get("ok")}
         if not failures:
-            return [o["value"] for o in outcomes]
+            return [o["value"] for o in outcomes], None
         self._group_dirty = True
         if any(o is None or o.get("died") for o in failures.values()):
             self._needs_restart = True
             self._kill_engines()  # free the CPU now; restarted on the next run
-        raise self._error(failures, waiting)
+        return None, self._error(failures, waiting)
 
     def _collect(self, results, deadline, outcomes=None) -> list:
         """Wait until every rank answered or the deadline passed; None for ranks that did not."""
@@ -748,9 +757,10 @@ def _register_magic() -> None:
 
     def ranks(line, cell):
         """%%ranks [timeout]: run this cell on every rank of the current cluster; output by rank."""
-        __tracebackhide__ = True
         timeout = float(line) if line.strip() else None
-        current().run_cell(cell, timeout=timeout)
+        _, error = current()._submit("cell", cell, (), {}, {}, {}, timeout, show_values=True)
+        if error is not None:
+            raise error  # the notebook's traceback ends here, not deep in the runtime
 
     shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
     shell._shardlab_magic = True
