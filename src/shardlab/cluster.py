@@ -110,8 +110,11 @@ def _init_rank(rank: int, world_size: int, host: str, port: int, backend: str, t
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    # One GPU per engine: local engines use cuda:rank, engines placed by SLURM their local id.
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", str(rank)))
+    if backend == "nccl":
+        # One GPU per engine: local engines take cuda:rank; engines placed by SLURM take their
+        # node-local id, modulo the GPUs they see (1 with --gpus-per-task=1).
+        local = int(os.environ.get("SLURM_LOCALID", rank))
+        os.environ["LOCAL_RANK"] = str(local % max(1, torch.cuda.device_count()))
     # Joining may take long on a busy laptop, a collective should not: join with a generous
     # timeout, then set the collectives' one.
     join = max(timeout, 120.0)
@@ -310,7 +313,7 @@ class Cluster:
     def __init__(self, world_size: int = 4, backend: str = "auto", timeout: float = 60.0, *,
                  threads: int | None = 1, max_ranks_per_core: int = RANKS_PER_CORE,
                  start_timeout: float = 120.0, engines: str = "local", host: str | None = None,
-                 quiet: bool = False):
+                 launcher_config: dict | None = None, quiet: bool = False):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         cores = _cores()
@@ -327,6 +330,7 @@ class Cluster:
         self.start_timeout = float(start_timeout)
         self.engines = engines
         self.host = host or ("127.0.0.1" if engines == "local" else _routable_host())
+        self.launcher_config = launcher_config or {}
         self.quiet = quiet
         self.start_seconds: float | None = None
         self.pids: list[int] = []
@@ -360,6 +364,7 @@ class Cluster:
             # engine (we interrupt and watch local engines by pid ourselves).
             config.LocalControllerLauncher.controller_args = ["--IPController.use_threads=True"]
             config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
+        config.merge(Config(self.launcher_config))  # e.g. {"SlurmEngineSetLauncher": {...}}
         bar = tqdm(total=2 * self.world_size, desc=f"starting {self.world_size} ranks",
                    disable=self.quiet, leave=False)
         try:
@@ -730,7 +735,9 @@ def start_cluster(world_size: int = 4, backend: str = "auto", timeout: float = 6
     ``backend="auto"`` picks NCCL with one GPU per rank when CUDA has enough devices, else gloo
     on CPU. ``timeout`` (seconds) bounds every collective. A second call replaces the first
     cluster. Options: ``threads`` per rank (1), ``max_ranks_per_core`` (2), ``start_timeout``
-    (120 s), ``engines`` ("local", or an ipyparallel launcher such as "slurm"), ``quiet``.
+    (120 s), ``quiet``; for engines on other machines (see workshop/README.md): ``engines``
+    (an ipyparallel launcher such as "slurm"), ``host`` (this machine's address as the ranks
+    see it) and ``launcher_config`` (traitlets config for that launcher, as a dict).
     Also registers the ``%%ranks`` cell magic when running under IPython.
     """
     global _current
