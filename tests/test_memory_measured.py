@@ -85,10 +85,6 @@ def test_stage3_without_prefetch_gathers_one_unit_beside_the_root():
         assert m["peak_gathered"] == 4 * (root + block)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: a unit's packed full gradient stays alive until the end of backward (comm.Pending "
-    "keeps it until wait()), so stages 2-3 hold every unit's full gradient at the peak; "
-    "see docs/measured.md"))
 @pytest.mark.parametrize("stage", (2, 3))
 def test_gradients_in_flight_are_bounded(stage):
     """Sharded gradients should cost shards + about two units' full gradients at the peak."""

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab import comm, events
 from shardlab.flat import FlatUnit
@@ -79,6 +79,13 @@ def group_params(model: nn.Module, unit_modules) -> list[tuple[str, nn.Module, l
     return [(name or "root", modules[name], params[name]) for name in order if params[name]]
 
 
+def on_output_grad(output, fn) -> None:
+    """Call ``fn()`` when the gradient of (any tensor in) a module's output arrives in backward."""
+    for t in tree_flatten(output)[0]:
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(lambda grad: fn())
+
+
 class Engine:
     """The machinery shared by stages 0-3. Subclasses supply the four methods named above."""
 
@@ -87,6 +94,9 @@ class Engine:
     #: backward of the units before it (then its full gradients can be dropped). ZeRO-1 waits
     #: for the whole backward instead, holding every full gradient until then.
     reduce_as_ready = True
+    #: Reductions allowed in flight at once. Waiting for the oldest one frees its full gradient
+    #: buffer, so at most this many units' full gradients are alive during backward.
+    max_reductions_in_flight = 2
 
     def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None,
                  reshard_after_forward: bool = True, prefetch: bool = True):
@@ -115,10 +125,12 @@ class Engine:
         self._pending: list[tuple[FlatUnit, comm.Pending, torch.Tensor]] = []
         self._grads_to_come: dict[FlatUnit, int] = {}
         self._backward_started = False
+        model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._on_grad_ready(unit))
-        model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
 
     # -- the four decisions of a stage ------------------------------------------------------
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
@@ -161,6 +173,15 @@ class Engine:
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
 
+    def pre_forward(self, unit: FlatUnit) -> None:
+        events.emit("forward", unit=unit.name)
+
+    def post_forward(self, unit: FlatUnit, output) -> None:
+        """Stages 0-2 have nothing to free; when traced, mark where the unit's backward starts."""
+        events.emit("forward_done", unit=unit.name)
+        if events.active() and torch.is_grad_enabled():
+            on_output_grad(output, lambda: events.emit("backward", unit=unit.name))
+
     # -- backward ---------------------------------------------------------------------------
     def _on_grad_ready(self, unit: FlatUnit) -> None:
         """Called after each parameter's gradient is accumulated; a unit is done at zero."""
@@ -177,6 +198,14 @@ class Engine:
         """A unit's gradients are all computed: start combining them across ranks (async)."""
         if self.sync and self.reduce_as_ready:
             self.reduce_grads(unit)
+            self._finish_reductions(keep=self.max_reductions_in_flight)
+
+    def _finish_reductions(self, keep: int = 0) -> None:
+        """Wait for the oldest reductions until ``keep`` remain in flight, and finish them."""
+        while len(self._pending) > keep:
+            unit, pending, grad = self._pending.pop(0)
+            pending.wait()
+            self.finish_grads(unit, grad)
 
     def _end_of_backward(self) -> None:
         """Autograd is done: finish units that got no gradient, then wait for all reductions."""
@@ -187,10 +216,7 @@ class Engine:
         if self.sync and not self.reduce_as_ready:
             for unit in self.units:
                 self.reduce_grads(unit)
-        for unit, pending, grad in self._pending:
-            pending.wait()
-            self.finish_grads(unit, grad)
-        self._pending.clear()
+        self._finish_reductions(keep=0)
         self._backward_started = False
 
     def accumulate(self, unit: FlatUnit, grad: torch.Tensor) -> None:

@@ -14,9 +14,9 @@ all-gathered twice, and gradients are reduce-scattered once.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from shardlab import events
+from shardlab.engine import on_output_grad
 from shardlab.flat import FlatUnit
 from shardlab.zero2 import ZeRO2
 
@@ -31,8 +31,6 @@ class FSDP(ZeRO2):
         self._in_backward = False
         for unit in self.units:
             unit.free()  # at rest: the master shard only
-            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
         model.register_forward_hook(self._on_root_forward_end)
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
@@ -65,9 +63,7 @@ class FSDP(ZeRO2):
             return
         if self.reshard_after_forward and unit is not self.root and not self._in_backward:
             self._free(unit)  # (in backward, this forward is a checkpoint's recompute: keep it)
-        for t in tree_flatten(output)[0]:
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(lambda grad, u=unit: self.pre_backward(u))
+        on_output_grad(output, lambda: self.pre_backward(unit))
 
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
