@@ -111,6 +111,33 @@ def test_run_returns_one_result_per_rank_for_notebook_functions(cluster, capsys)
     assert per_run < 1.0
 
 
+def test_notebook_classes_travel_too(cluster):
+    """A notebook nn.Module whose __init__ calls super() (ipyparallel alone recurses forever)."""
+    ns = notebook("""
+        import torch.nn as nn
+
+        class Tiny(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 2)
+
+            @property
+            def width(self):
+                return self.lin.out_features
+
+            def forward(self, x):
+                return self.lin(x)
+
+        def build():
+            torch.manual_seed(0)
+            model = Tiny()
+            return type(model).__name__, model.width, model(torch.ones(1, 3)).sum().item()
+        """)
+    results = cluster.run(ns["build"])
+    assert [r[:2] for r in results] == [("Tiny", 2)] * 4
+    assert len({r[2] for r in results}) == 1  # same seed, same weights, on every rank
+
+
 def test_cells_run_on_every_rank_and_state_stays_between_cells(cluster, capsys):
     cluster.run_cell("x = torch.arange(3.) + 10 * rank\nprint('shape', tuple(x.shape))\nx.sum()")
     out = capsys.readouterr().out.splitlines()
