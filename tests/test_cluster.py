@@ -216,6 +216,19 @@ def test_a_rank_stuck_in_python_is_interrupted(cluster):
     assert cluster.run(lam("lambda: kept")) == [0, 1, 2, 3]  # interrupted, not restarted
 
 
+def test_the_notebooks_stop_button_stops_the_ranks_too(cluster):
+    """Interrupting the kernel while ranks run interrupts the ranks, so the next cell runs now."""
+    import _thread
+    import threading
+
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(lam("lambda: __import__('time').sleep(60)"))
+    t0 = time.perf_counter()
+    assert cluster.run(lam("lambda: kept")) == [0, 1, 2, 3]
+    assert time.perf_counter() - t0 < 2
+
+
 def test_many_runs_and_failures_hold_no_extra_processes_or_ports(cluster):
     procs, ports = family(), listening()
     ns = notebook("""

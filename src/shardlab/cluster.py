@@ -618,7 +618,19 @@ class Cluster:
         # The ranks' own collective timeout fires first; this margin only catches ranks that
         # never return to Python (an endless loop, a dead device).
         deadline = time.monotonic() + waiting + max(5.0, 0.1 * waiting)
-        outcomes = self._collect(results, deadline)
+        try:
+            outcomes = self._collect(results, deadline)
+        except KeyboardInterrupt:  # the notebook's stop button: stop the ranks too, then stop
+            self._interrupt(list(range(self.world_size)))
+            self._group_dirty = True
+            try:
+                late = self._collect(results, time.monotonic() + _INTERRUPT_GRACE)
+            except KeyboardInterrupt:
+                late = [None]
+            if any(o is None for o in late):
+                self._needs_restart = True
+                self._kill_engines()
+            raise
         hung = [r for r, o in enumerate(outcomes) if o is None]
         if hung:
             self._interrupt(hung)
