@@ -147,17 +147,26 @@ def test_cells_run_on_every_rank_and_state_stays_between_cells(cluster, capsys):
         cluster.pull("no_such_variable")
 
 
-def test_ranks_magic_in_ipython(cluster, capsys):
-    from IPython.testing.globalipapp import start_ipython
-
+def test_ranks_magic(cluster, capsys, monkeypatch):
+    """The %%ranks cell magic (the notebook runs it in a real kernel; here a stand-in shell,
+    so that this test leaves no IPython instance behind for the other tests)."""
     from shardlab import cluster as runtime
 
-    shell = start_ipython()
+    class Shell:
+        magics: dict = {}
+
+        def register_magic_function(self, fn, magic_kind, magic_name):
+            self.magics[(magic_kind, magic_name)] = fn
+
+    shell = Shell()
+    monkeypatch.setattr(runtime, "_shell", lambda: shell)
     runtime._register_magic()
-    shell.run_cell("%%ranks\ny = rank * 100\nprint('y is', y)", store_history=False)
-    out = capsys.readouterr().out
-    assert "[rank 3] y is 300" in out
+    ranks = shell.magics[("cell", "ranks")]
+    ranks("", "y = rank * 100\nprint('y is', y)")
+    assert "[rank 3] y is 300" in capsys.readouterr().out
     assert cluster.pull("y") == [0, 100, 200, 300]
+    with pytest.raises(ClusterError, match="rank 1 raised ZeroDivisionError"):
+        ranks("", "1 / 0 if rank == 1 else None")
 
 
 def test_an_error_names_its_rank_quickly_and_keeps_the_state(cluster):
