@@ -45,6 +45,9 @@ _EXPORTS = {
     # runtime
     "start_cluster": "shardlab.cluster",
     "Cluster": "shardlab.cluster",
+    "ClusterError": "shardlab.cluster",
+    "CollectiveTimeout": "shardlab.cluster",
+    "RankTimeout": "shardlab.cluster",
 }
 
 __all__ = sorted(_EXPORTS)
