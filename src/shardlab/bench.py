@@ -109,7 +109,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
         median = statistics.median(steps)
         rows[name] = dict(
             note=bc.BY_NAME[name].note,
-            step_s=median, steps_s=steps, tokens_per_s=tokens / median,
+            step_s=median, best_s=min(steps), steps_s=steps, tokens_per_s=tokens / median,
             states_bytes=max(r["measured"][name]["states"] for r in per_rank),
             peak_bytes=max(r["measured"][name]["peak"] for r in per_rank),
             formula_bytes=bc.model_states_formula(bc.BY_NAME[name], params, n),
