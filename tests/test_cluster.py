@@ -150,7 +150,7 @@ def test_cells_run_on_every_rank_and_state_stays_between_cells(cluster, capsys):
 def test_ranks_magic(cluster, capsys, monkeypatch):
     """The %%ranks cell magic (the notebook runs it in a real kernel; here a stand-in shell,
     so that this test leaves no IPython instance behind for the other tests)."""
-    from shardlab import cluster as runtime
+    from shardlab.cluster import magic as runtime
 
     class Shell:
         magics: dict = {}
