@@ -76,9 +76,11 @@ def plot(result: dict, path: str) -> None:
             ax1.axvline(rows[base]["step_s"], color="k", ls=style, lw=1, label=f"{base} median")
     for i, n in enumerate(names):  # the spread of the timed steps, as dots
         ax1.plot(rows[n]["steps_s"], [i] * len(rows[n]["steps_s"]), "k.", ms=3, alpha=0.5)
+    slowest = max(rows[n]["step_s"] for n in names)
+    ax1.set_xlim(0, 2 * slowest)  # a step disturbed by another job may lie beyond: see the JSON
     ax1.set_yticks(list(y), names)
     ax1.invert_yaxis()
-    ax1.set_xlabel("step time (s): bar = median, dots = each timed step")
+    ax1.set_xlabel("step time (s): bar = median, dots = each timed step (to 2× the slowest median)")
     ax1.legend(loc="lower right", fontsize=8)
     h = 0.4
     ax2.barh([i - h / 2 for i in y], [rows[n]["states_bytes"] / MB for n in names], h, color=colors,
