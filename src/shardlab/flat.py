@@ -104,9 +104,12 @@ class FlatUnit:
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """The unit's gradients as one padded flat buffer (zeros where a parameter got none)."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.full.device)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=self.full.device)
+        flat[self.numel :].zero_()  # the padding
         for g, p in zip(self.views(flat), self.params):
-            if p.grad is not None:
+            if p.grad is None:
+                g.zero_()
+            else:
                 g.copy_(p.grad)
         return flat
 
