@@ -147,8 +147,9 @@ class Engine:
 
     # -- start: one model on every rank -----------------------------------------------------
     def _check_same_model_on_every_rank(self, groups) -> None:
-        mine = torch.tensor([len(groups), sum(p.numel() for _, _, ps in groups for p in ps)])
-        everyone = torch.empty(2 * self.world_size, dtype=mine.dtype)
+        device = groups[0][2][0].device  # NCCL only moves tensors on the GPU
+        mine = torch.tensor([len(groups), sum(p.numel() for _, _, ps in groups for p in ps)], device=device)
+        everyone = torch.empty(2 * self.world_size, dtype=mine.dtype, device=device)
         comm.all_gather(everyone, mine)
         if not torch.equal(everyone.view(-1, 2), mine.expand(self.world_size, 2)):
             raise ValueError(
