@@ -168,7 +168,7 @@ class Engine:
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
         events.set_phase("forward")
-        self._grads_to_come = {u: sum(p.requires_grad for p in u.params) for u in self.units}
+        self._grads_to_come = {u: len(u.params) for u in self.units}  # (all trainable)
         if self.param_dtype != self.units[0].master_dtype:  # mixed precision: cast float inputs
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
