@@ -14,6 +14,7 @@ COMMANDS = {
     "figures": ("shardlab.figures", "regenerate every PNG in figures/"),
     "bench": ("shardlab.bench", "ShardLab's stages against PyTorch's DDP, ZeRO and fully_shard"),
     "train": ("shardlab.train", "train the demo GPT at any stage (run it under torchrun)"),
+    "slow-link": ("shardlab.slow_link", "step time of stages 0 and 3 on emulated slow links vs the ring model"),
 }
 
 

@@ -1,0 +1,247 @@
+"""``python -m shardlab slow-link``: stage 0 and stage 3 on emulated links, measured beside the ring model.
+
+On one machine the ranks talk through loopback memory, so ZeRO-3's extra all-gathers look
+free. This benchmark trains the course GPT at stage 0 (DDP: all-reduce, 2Ψ a step) and stage 3
+(FSDP: all-gather twice and reduce-scatter, 3Ψ minus the root unit, which stays gathered) under
+:func:`shardlab.emulate_link` for each link preset, and prints per link:
+
+* the measured step time (median over steps of the slowest rank) and its increase over no link;
+* the predicted increase: :func:`shardlab.link.link_delay` summed over the step's collectives,
+  as :func:`shardlab.count_comm` booked them. That is the non-overlapped bound: it assumes no
+  transfer hides behind compute;
+* ``slept``, what the emulator actually added (``LinkEmulator.slept_s``), and ``hidden``, the
+  share of the link time that overlapped compute (DDP's all-reduces during backward, FSDP's
+  prefetched gathers).
+
+Configurations run interleaved in rotated rounds, as ``python -m shardlab bench`` does, so that
+whatever else the machine does hits every (stage, link) pair alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from shardlab import models
+from shardlab.link import LINKS, link_delay
+
+STAGES = (0, 3)
+DEFAULT_LINKS = ("none", "NVLink", "InfiniBand", "10GbE", "1GbE")
+
+
+def parse_link(spec: str) -> dict:
+    """'none', a preset name from LINKS, or a custom 'GBPS:US' (e.g. '0.1:100')."""
+    if spec == "none" or spec in LINKS:
+        link = LINKS.get(spec)
+        return dict(name=spec, bandwidth_gbps=link.bandwidth_gbps if link else None,
+                    latency_us=link.latency_us if link else None)
+    try:
+        bw, lat = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"unknown link {spec!r}: use none, {', '.join(LINKS)} or GBPS:US like 0.1:100") from None
+    if not bw > 0 or lat < 0:
+        raise ValueError(f"link {spec!r}: bandwidth must be > 0 Gbit/s and latency >= 0 µs")
+    return dict(name=spec, bandwidth_gbps=bw, latency_us=lat)
+
+
+def predicted_delay(records: list[dict], world_size: int, link: dict) -> float:
+    """Seconds the step's collectives cost on ``link`` by the ring model, none of it hidden."""
+    if link["bandwidth_gbps"] is None:
+        return 0.0
+    return sum(link_delay(r["kind"], r["numel"], r["itemsize"], world_size, link["bandwidth_gbps"],
+                          link["latency_us"]) for r in records)
+
+
+def _emulated(link: dict, overlap: bool):
+    """The link's emulator as a context manager; no link yields zeros, so rows read alike."""
+    if link["bandwidth_gbps"] is None:
+        return contextlib.nullcontext(SimpleNamespace(link_time_s=0.0, slept_s=0.0))
+    from shardlab import emulate_link
+
+    return emulate_link(bandwidth_gbps=link["bandwidth_gbps"], latency_us=link["latency_us"], overlap=overlap)
+
+
+def _rank_main(opts: dict) -> dict:
+    """Runs on every rank: book each stage's collectives once, then time every (stage, link) pair."""
+    from tqdm.auto import tqdm
+
+    import shardlab
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg = models.SIZES[opts["model"]]
+
+    def build(stage):
+        torch.manual_seed(opts["seed"])
+        return shardlab.parallelize(models.gpt(opts["model"]), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
+
+    def data(step):
+        return models.batch(cfg, opts["batch"], seed=opts["seed"] * 100_000 + step, rank=rank, world_size=world_size)
+
+    def train_step(stage, x, y):
+        model, optimizer = runs[stage]
+        models.lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    runs = {s: build(s) for s in STAGES}
+    records = {}
+    x, y = data(0)
+    for s in STAGES:
+        train_step(s, x, y)  # warm-up: optimizer state exists, stage 3 knows its forward order
+        with shardlab.count_comm() as ledger:
+            train_step(s, x, y)
+        records[s] = [dict(kind=r["kind"], numel=r["numel"], itemsize=r["dtype"].itemsize) for r in ledger.records]
+
+    pairs = [(s, link["name"]) for s in STAGES for link in opts["links"]]
+    by_name = {link["name"]: link for link in opts["links"]}
+    out = {f"{s}/{name}": dict(step_s=[], link_time_s=[], slept_s=[]) for s, name in pairs}
+    show = rank == 0 and not opts["quiet"]
+    for i in tqdm(range(opts["warmup"] + opts["steps"]), desc=f"time {len(pairs)} (stage, link) pairs", disable=not show):
+        x, y = data(i + 1)
+        shift = i % len(pairs)
+        for s, name in pairs[shift:] + pairs[:shift]:  # interleaved, rotated rounds
+            dist.barrier()
+            t0 = time.perf_counter()
+            with _emulated(by_name[name], opts["overlap"]) as em:
+                train_step(s, x, y)
+            elapsed = time.perf_counter() - t0
+            if i >= opts["warmup"]:
+                row = out[f"{s}/{name}"]
+                row["step_s"].append(elapsed)
+                row["link_time_s"].append(em.link_time_s)
+                row["slept_s"].append(em.slept_s)
+    params = sum(p.numel() for p in models.gpt(opts["model"]).parameters())
+    return dict(rows=out, records=records, params=params)
+
+
+def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
+    """Per (stage, link): medians over steps of the slowest rank, the increase and the prediction."""
+    n, params = opts["world_size"], per_rank[0]["params"]
+    records = per_rank[0]["records"]
+    stages = {}
+    for s in STAGES:
+        recs = records[s]
+        elements = sum(2 * r["numel"] if r["kind"] == "all_reduce" else r["numel"] for r in recs)
+        ring = sum((n - 1) / n * (2 if r["kind"] == "all_reduce" else 1) * r["numel"] * r["itemsize"] for r in recs)
+        calls = {}
+        for r in recs:
+            calls[r["kind"]] = calls.get(r["kind"], 0) + 1
+        stages[s] = dict(elements=elements, psi=elements / params, ring_bytes_per_rank=ring, calls=calls)
+    rows = []
+    for s in STAGES:
+        for link in opts["links"]:
+            key = f"{s}/{link['name']}"
+
+            def med(field, key=key):
+                return statistics.median(max(r["rows"][key][field][i] for r in per_rank) for i in range(opts["steps"]))
+
+            rows.append(dict(stage=s, link=link["name"], step_s=med("step_s"), link_time_s=med("link_time_s"),
+                             slept_s=med("slept_s"), predicted_s=predicted_delay(records[s], n, link)))
+    base = {r["stage"]: r["step_s"] for r in rows if r["link"] == "none"}
+    for r in rows:
+        r["increase_s"] = r["step_s"] - base[r["stage"]]
+        r["hidden"] = 1 - r["slept_s"] / r["link_time_s"] if r["link_time_s"] > 0 else None
+    return dict(options={k: v for k, v in opts.items()}, params=params, stages=stages, rows=rows, wall_s=wall,
+                bytes_ratio=stages[3]["ring_bytes_per_rank"] / stages[0]["ring_bytes_per_rank"],
+                machine=dict(cores=os.cpu_count(), torch=torch.__version__, load_before=opts.get("load_before"),
+                             load_after=os.getloadavg()))
+
+
+def table(result: dict) -> str:
+    """The result as Markdown: per link, stage 0 beside stage 3, then what the ring model said."""
+    o, st = result["options"], result["stages"]
+    names = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
+
+    def comm(s):
+        calls = " + ".join(f"{c} {names[k]}" for k, c in st[s]["calls"].items())
+        return f"{st[s]['psi']:.2f}Ψ ({calls}), {st[s]['ring_bytes_per_rank'] / 1e6:.2f} MB sent per rank"
+
+    lines = [
+        f"model {o['model']} ({result['params'] / 1e6:.2f}M params), {o['world_size']} ranks, batch {o['batch']} per "
+        f"rank, median of {o['steps']} steps after {o['warmup']} warm-up, overlap {'on' if o['overlap'] else 'off'}",
+        f"stage 0 (DDP) moves {comm(0)}",
+        f"stage 3 (FSDP) moves {comm(3)}: {result['bytes_ratio']:.2f}× stage 0's bytes",
+        "",
+        "| link | stage | step (ms) | + measured (ms) | + predicted (ms) | slept (ms) | hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(result["rows"], key=lambda r: ([x["name"] for x in o["links"]].index(r["link"]), r["stage"])):
+        hidden = "–" if r["hidden"] is None else f"{r['hidden']:.0%}"
+        lines.append(f"| {r['link']} | {r['stage']} | {r['step_s'] * 1e3:.1f} | {r['increase_s'] * 1e3:+.1f} "
+                     f"| {r['predicted_s'] * 1e3:.2f} | {r['slept_s'] * 1e3:.1f} | {hidden} |")
+    worst = [r for r in result["rows"] if r["link"] == o["links"][-1]["name"]]
+    if len(worst) == 2 and worst[0]["predicted_s"] > 0:
+        s0, s3 = sorted(worst, key=lambda r: r["stage"])
+        lines += ["", f"On {s0['link']}, stage 3 pays {s3['increase_s'] * 1e3:.1f} ms a step against stage 0's "
+                  f"{s0['increase_s'] * 1e3:.1f} ms (ring model, nothing hidden: {s3['predicted_s'] * 1e3:.1f} vs "
+                  f"{s0['predicted_s'] * 1e3:.1f} ms)."]
+    m = result["machine"]
+    load = "/".join(f"{x:.2f}" for x in m["load_before"] or ())
+    lines += ["", "+ predicted = ring α-β model summed over the step's collectives, none hidden behind compute; "
+              "slept = what the emulator added; hidden = 1 − slept / link time.",
+              f"Machine: {m['cores']} cores, torch {m['torch']}, load {load} before; wall {result['wall_s']:.0f} s."]
+    return "\n".join(lines)
+
+
+def run(opts: dict) -> dict:
+    """Launch the ranks and summarize their timings."""
+    from shardlab.launch import run_ranks
+
+    t0 = time.perf_counter()
+    per_rank = run_ranks(_rank_main, opts["world_size"], opts, timeout=opts["timeout"], threads=opts["threads"])
+    return summarize(opts, per_rank, time.perf_counter() - t0)
+
+
+def parse(argv) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shardlab slow-link", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small", choices=sorted(models.SIZES), help="model size (default small)")
+    ap.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per (stage, link) (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
+    ap.add_argument("--links", default=",".join(DEFAULT_LINKS),
+                    help="comma-separated: none, " + ", ".join(LINKS) + " or GBPS:US (default: all presets)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="sleep every op's full link time (the pessimistic bound; nothing hidden)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--json", metavar="PATH", help="write every number as JSON ('-' for stdout)")
+    ap.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.world_size < 2 or args.batch < 1:
+        ap.error("--steps and --batch must be >= 1, --warmup >= 0 and --world-size >= 2 (one rank sends nothing)")
+    try:
+        links = [parse_link(s.strip()) for s in args.links.split(",") if s.strip()]
+    except ValueError as e:
+        ap.error(str(e))
+    if "none" not in [x["name"] for x in links]:
+        links.insert(0, parse_link("none"))  # the baseline every increase is measured from
+    return vars(args) | dict(links=links, load_before=os.getloadavg())
+
+
+def main(argv=None) -> int:
+    opts = parse(sys.argv[1:] if argv is None else argv)
+    result = run(opts)
+    print(table(result))
+    if opts["json"]:
+        text = json.dumps(result, indent=1, default=str)
+        if opts["json"] == "-":
+            print(text)
+        else:
+            with open(opts["json"], "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

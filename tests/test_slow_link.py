@@ -1,0 +1,78 @@
+"""Smoke test of ``python -m shardlab slow-link``: it runs, and its numbers follow the ring model.
+
+Not a timing test: CI machines are noisy. On a link slow enough that the emulated delay
+dwarfs the tiny model's compute, what must hold anywhere is that the measured increase is
+most of the ring model's prediction, that the emulator booked exactly that prediction, and
+that stage 3, which moves more bytes, is predicted to pay more than stage 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardlab import slow_link
+
+SLOW = "0.01:0"  # 10 Mbit/s: ~0.1 s a step for the tiny GPT, ~10x its compute
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slow_link") / "slow_link.json"
+    cmd = [sys.executable, "-m", "shardlab", "slow-link", "--model", "tiny", "--steps", "2", "--warmup", "1",
+           "--links", f"none,{SLOW}", "--quiet", "--json", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout, elapsed
+
+
+def _row(result, stage, link):
+    (row,) = [r for r in result["rows"] if r["stage"] == stage and r["link"] == link]
+    return row
+
+
+def test_runs_fast_and_prints_the_table(result):
+    res, stdout, elapsed = result
+    assert elapsed < 30, f"slow-link smoke run took {elapsed:.0f} s; CI allows 30"
+    assert "| link | stage |" in stdout and "stage 3 pays" in stdout
+    assert {(r["stage"], r["link"]) for r in res["rows"]} == {(0, "none"), (0, SLOW), (3, "none"), (3, SLOW)}
+
+
+def test_stage_3_moves_more_than_stage_0(result):
+    res, _, _ = result
+    s0, s3 = res["stages"]["0"], res["stages"]["3"]
+    assert set(s0["calls"]) == {"all_reduce"} and set(s3["calls"]) == {"all_gather", "reduce_scatter"}
+    assert s0["psi"] == pytest.approx(2.0, rel=0.01)
+    assert 2.0 < s3["psi"] <= 3.0  # 3Ψ minus the root unit, which stays gathered between forward and backward
+    assert 1.0 < res["bytes_ratio"] <= 1.5
+    assert _row(res, 3, SLOW)["predicted_s"] > _row(res, 0, SLOW)["predicted_s"] > 0.05
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_slow_link_costs_what_the_ring_model_predicts(result, stage):
+    res, _, _ = result
+    row, base = _row(res, stage, SLOW), _row(res, stage, "none")
+    assert base["increase_s"] == 0 and base["predicted_s"] == 0 and base["slept_s"] == 0
+    assert row["link_time_s"] == pytest.approx(row["predicted_s"], rel=1e-6)  # the emulator books the same model
+    assert 0 < row["slept_s"] <= row["link_time_s"] + 1e-9
+    assert row["increase_s"] >= 0.5 * row["predicted_s"]
+
+
+def test_links_parse_and_bad_ones_are_refused():
+    assert slow_link.parse_link("1GbE") == dict(name="1GbE", bandwidth_gbps=1.0, latency_us=100.0)
+    assert slow_link.parse_link("0.5:20")["bandwidth_gbps"] == 0.5
+    assert slow_link.predicted_delay([dict(kind="all_gather", numel=10**6, itemsize=4)], 2,
+                                     slow_link.parse_link("none")) == 0.0
+    for bad in ("2GbE", "0:10", "1:-1"):
+        with pytest.raises(ValueError):
+            slow_link.parse_link(bad)
+    opts = slow_link.parse(["--links", "10GbE"])
+    assert [x["name"] for x in opts["links"]] == ["none", "10GbE"]  # the baseline is always measured
+    with pytest.raises(SystemExit):
+        slow_link.parse(["--world-size", "1"])
