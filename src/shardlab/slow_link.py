@@ -9,9 +9,14 @@ free. This benchmark trains the course GPT at stage 0 (DDP: all-reduce, 2Ψ a st
 * the predicted increase: :func:`shardlab.link.link_delay` summed over the step's collectives,
   as :func:`shardlab.count_comm` booked them. That is the non-overlapped bound: it assumes no
   transfer hides behind compute;
-* ``slept``, what the emulator actually added (``LinkEmulator.slept_s``), and ``hidden``, the
-  share of the link time that overlapped compute (DDP's all-reduces during backward, FSDP's
-  prefetched gathers).
+* the same step with ``overlap=False`` (every op sleeps its full link time, as if each
+  collective blocked) and with overlap (the emulator's default: a transfer runs while the rank
+  computes), where ``hidden`` is the share of the link time that overlapped compute (DDP's
+  all-reduces during backward, FSDP's prefetched gathers and async reduce-scatters).
+
+Without overlap, stage 3 pays for its extra bytes: 1.5x stage 0's at 3Ψ, a little less here
+because the root unit stays gathered from forward to backward. With overlap, prefetch hides
+much of it: that is why FSDP prefetches.
 
 Configurations run interleaved in rotated rounds, as ``python -m shardlab bench`` does, so that
 whatever else the machine does hits every (stage, link) pair alike.
@@ -70,6 +75,17 @@ def _emulated(link: dict, overlap: bool):
     return emulate_link(bandwidth_gbps=link["bandwidth_gbps"], latency_us=link["latency_us"], overlap=overlap)
 
 
+def _modes(opts: dict, link: dict) -> list[str]:
+    """Overlap modes to time on ``link``: none for no link (nothing to hide), else on and/or off."""
+    if link["bandwidth_gbps"] is None:
+        return ["-"]
+    return {"both": ["off", "on"], "on": ["on"], "off": ["off"]}[opts["overlap"]]
+
+
+def _key(stage, link_name, overlap) -> str:
+    return f"{stage}/{link_name}/{overlap}"
+
+
 def _rank_main(opts: dict) -> dict:
     """Runs on every rank: book each stage's collectives once, then time every (stage, link) pair."""
     from tqdm.auto import tqdm
@@ -101,21 +117,21 @@ def _rank_main(opts: dict) -> dict:
             train_step(s, x, y)
         records[s] = [dict(kind=r["kind"], numel=r["numel"], itemsize=r["dtype"].itemsize) for r in ledger.records]
 
-    pairs = [(s, link["name"]) for s in STAGES for link in opts["links"]]
+    pairs = [(s, link["name"], ov) for s in STAGES for link in opts["links"] for ov in _modes(opts, link)]
     by_name = {link["name"]: link for link in opts["links"]}
-    out = {f"{s}/{name}": dict(step_s=[], link_time_s=[], slept_s=[]) for s, name in pairs}
+    out = {_key(*pair): dict(step_s=[], link_time_s=[], slept_s=[]) for pair in pairs}
     show = rank == 0 and not opts["quiet"]
-    for i in tqdm(range(opts["warmup"] + opts["steps"]), desc=f"time {len(pairs)} (stage, link) pairs", disable=not show):
+    for i in tqdm(range(opts["warmup"] + opts["steps"]), desc=f"time {len(pairs)} (stage, link, overlap)", disable=not show):
         x, y = data(i + 1)
         shift = i % len(pairs)
-        for s, name in pairs[shift:] + pairs[:shift]:  # interleaved, rotated rounds
+        for s, name, ov in pairs[shift:] + pairs[:shift]:  # interleaved, rotated rounds
             dist.barrier()
             t0 = time.perf_counter()
-            with _emulated(by_name[name], opts["overlap"]) as em:
+            with _emulated(by_name[name], ov != "off") as em:
                 train_step(s, x, y)
             elapsed = time.perf_counter() - t0
             if i >= opts["warmup"]:
-                row = out[f"{s}/{name}"]
+                row = out[_key(s, name, ov)]
                 row["step_s"].append(elapsed)
                 row["link_time_s"].append(em.link_time_s)
                 row["slept_s"].append(em.slept_s)
@@ -138,13 +154,13 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
         stages[s] = dict(elements=elements, psi=elements / params, ring_bytes_per_rank=ring, calls=calls)
     rows = []
     for s in STAGES:
-        for link in opts["links"]:
-            key = f"{s}/{link['name']}"
+        for link, ov in ((x, ov) for x in opts["links"] for ov in _modes(opts, x)):
+            key = _key(s, link["name"], ov)
 
             def med(field, key=key):
                 return statistics.median(max(r["rows"][key][field][i] for r in per_rank) for i in range(opts["steps"]))
 
-            rows.append(dict(stage=s, link=link["name"], step_s=med("step_s"), link_time_s=med("link_time_s"),
+            rows.append(dict(stage=s, link=link["name"], overlap=ov, step_s=med("step_s"), link_time_s=med("link_time_s"),
                              slept_s=med("slept_s"), predicted_s=predicted_delay(records[s], n, link)))
     base = {r["stage"]: r["step_s"] for r in rows if r["link"] == "none"}
     for r in rows:
@@ -156,8 +172,12 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
                              load_after=os.getloadavg()))
 
 
+def _find(result, stage, link, overlap):
+    return next((r for r in result["rows"] if (r["stage"], r["link"], r["overlap"]) == (stage, link, overlap)), None)
+
+
 def table(result: dict) -> str:
-    """The result as Markdown: per link, stage 0 beside stage 3, then what the ring model said."""
+    """The result as Markdown: per link and stage, the ring model beside both overlap modes."""
     o, st = result["options"], result["stages"]
     names = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
 
@@ -165,29 +185,45 @@ def table(result: dict) -> str:
         calls = " + ".join(f"{c} {names[k]}" for k, c in st[s]["calls"].items())
         return f"{st[s]['psi']:.2f}Ψ ({calls}), {st[s]['ring_bytes_per_rank'] / 1e6:.2f} MB sent per rank"
 
+    def cells(row, base, hidden=False):
+        if row is None:
+            return ["–"] * (3 if hidden else 2)
+        out = [f"{row['step_s'] * 1e3:.1f}", f"{(row['step_s'] - base) * 1e3:+.1f}"]
+        if hidden:
+            out.append("–" if row["hidden"] is None else f"{row['hidden']:.0%}")
+        return out
+
     lines = [
         f"model {o['model']} ({result['params'] / 1e6:.2f}M params), {o['world_size']} ranks, batch {o['batch']} per "
-        f"rank, median of {o['steps']} steps after {o['warmup']} warm-up, overlap {'on' if o['overlap'] else 'off'}",
+        f"rank, median of {o['steps']} steps (slowest rank) after {o['warmup']} warm-up",
         f"stage 0 (DDP) moves {comm(0)}",
         f"stage 3 (FSDP) moves {comm(3)}: {result['bytes_ratio']:.2f}× stage 0's bytes",
         "",
-        "| link | stage | step (ms) | + measured (ms) | + predicted (ms) | slept (ms) | hidden |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| link | stage | + predicted (ms) | no overlap: step (ms) | + measured | overlap: step (ms) | + measured | hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(result["rows"], key=lambda r: ([x["name"] for x in o["links"]].index(r["link"]), r["stage"])):
-        hidden = "–" if r["hidden"] is None else f"{r['hidden']:.0%}"
-        lines.append(f"| {r['link']} | {r['stage']} | {r['step_s'] * 1e3:.1f} | {r['increase_s'] * 1e3:+.1f} "
-                     f"| {r['predicted_s'] * 1e3:.2f} | {r['slept_s'] * 1e3:.1f} | {hidden} |")
-    worst = [r for r in result["rows"] if r["link"] == o["links"][-1]["name"]]
-    if len(worst) == 2 and worst[0]["predicted_s"] > 0:
-        s0, s3 = sorted(worst, key=lambda r: r["stage"])
-        lines += ["", f"On {s0['link']}, stage 3 pays {s3['increase_s'] * 1e3:.1f} ms a step against stage 0's "
-                  f"{s0['increase_s'] * 1e3:.1f} ms (ring model, nothing hidden: {s3['predicted_s'] * 1e3:.1f} vs "
-                  f"{s0['predicted_s'] * 1e3:.1f} ms)."]
+    for link in o["links"]:
+        for s in STAGES:
+            base = _find(result, s, "none", "-")["step_s"]
+            rows = [_find(result, s, link["name"], ov) for ov in ("off", "on")]
+            if link["name"] == "none":
+                rows = [_find(result, s, "none", "-")] * 2
+            pred = next(r["predicted_s"] for r in rows if r is not None)
+            lines.append("| " + " | ".join([link["name"], str(s), f"{pred * 1e3:.2f}", *cells(rows[0], base),
+                                            *cells(rows[1], base, hidden=True)]) + " |")
+    lines.append("")
+    slowest = max(result["rows"], key=lambda r: r["predicted_s"])["link"]
+    for ov, how in (("off", "Nothing hidden"), ("on", "With overlap")):
+        s0, s3 = (_find(result, s, slowest, ov) for s in STAGES)
+        if s0 is not None and s3 is not None:
+            lines.append(f"{how}, on {slowest} stage 3 pays {s3['increase_s'] * 1e3:+.1f} ms a step against "
+                         f"stage 0's {s0['increase_s'] * 1e3:+.1f} ms (ring model: {s3['predicted_s'] * 1e3:.1f} "
+                         f"vs {s0['predicted_s'] * 1e3:.1f} ms).")
     m = result["machine"]
     load = "/".join(f"{x:.2f}" for x in m["load_before"] or ())
-    lines += ["", "+ predicted = ring α-β model summed over the step's collectives, none hidden behind compute; "
-              "slept = what the emulator added; hidden = 1 − slept / link time.",
+    lines += ["", "+ predicted = ring α-β model (link_delay) summed over the step's collectives as count_comm "
+              "booked them, none hidden; + measured = step time minus the same stage's time with no link; "
+              "hidden = share of the emulated link time that overlapped compute (1 − slept / link time).",
               f"Machine: {m['cores']} cores, torch {m['torch']}, load {load} before; wall {result['wall_s']:.0f} s."]
     return "\n".join(lines)
 
@@ -210,8 +246,9 @@ def parse(argv) -> dict:
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
     ap.add_argument("--links", default=",".join(DEFAULT_LINKS),
                     help="comma-separated: none, " + ", ".join(LINKS) + " or GBPS:US (default: all presets)")
-    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
-                    help="sleep every op's full link time (the pessimistic bound; nothing hidden)")
+    ap.add_argument("--overlap", default="both", choices=("both", "on", "off"),
+                    help="emulate with transfers overlapping compute (on), each op sleeping its full link time "
+                         "(off, the pessimistic bound), or both (default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     ap.add_argument("--json", metavar="PATH", help="write every number as JSON ('-' for stdout)")
