@@ -22,8 +22,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e ".[dev]"
 	touch $@
 
+# Jupyter refuses to run as root (containers, cloud shells) unless told it may.
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(VENV)/.installed
-	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab $(LAB_FLAGS) notebooks/00_start_here.ipynb
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=120
