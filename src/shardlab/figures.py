@@ -33,7 +33,7 @@ from shardlab import plots
 
 DPI = 100
 #: Modules that register measured figures when imported (added as the instruments land).
-MEASURED_MODULES: list[str] = []
+MEASURED_MODULES: list[str] = ["shardlab.measured_figures"]
 
 
 @dataclass(frozen=True)

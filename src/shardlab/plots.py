@@ -174,13 +174,30 @@ def crossover(world_size=8, gpu_memory_gb=80.0, recipe="mixed-adam", sizes=None,
 
 
 def _label(e: Mapping) -> str:
-    if e.get("name"):
-        return str(e["name"])
-    return " ".join(str(e[k]) for k in ("kind", "unit") if e.get(k) is not None)
+    """A bar's text: its ``name``, else its unit (the kind is in the legend), else its kind."""
+    return str(e.get("name") or e.get("unit") or e.get("kind") or "")
+
+
+def _pack(intervals: list) -> list[list]:
+    """Sub-rows in which no two intervals overlap (greedy, by start): a unit that contains
+    others, like the root around the blocks, or async collectives in flight together, each
+    get their own row instead of hiding one another."""
+    rows: list[list] = []
+    for e in sorted(intervals, key=lambda e: (e["start"], -e["end"])):
+        row = next((r for r in rows if r[-1]["end"] <= e["start"]), None)
+        rows.append([e]) if row is None else row.append(e)
+    return rows or [[]]
+
+
+INSTANT_MARKERS = {"free": ("v", "black"), "backward_done": ("|", "#55A868")}
 
 
 def timeline(events, *, title="Per-rank timeline: compute and communication", time_unit="ms") -> Figure:
-    """A Gantt chart: for each rank, a compute lane and a communication lane (format in module doc)."""
+    """A Gantt chart: for each rank, a compute lane and a communication lane (format in module doc).
+
+    Intervals that overlap within a lane go to sub-rows; instants (``start == end``, e.g.
+    ``free``) are drawn as markers. Bars are labelled with their unit when they are wide enough.
+    """
     events = list(events)
     if not events:
         raise ValueError("timeline needs at least one event")
@@ -190,26 +207,41 @@ def timeline(events, *, title="Per-rank timeline: compute and communication", ti
             raise ValueError(f"timeline event {e!r} needs rank, start, end and lane 'compute' or 'comm'")
     scale = {"s": 1, "ms": 1e3, "us": 1e6}[time_unit]
     t0 = min(e["start"] for e in events)
+    span = max(max(e["end"] for e in events) - t0, 1e-12) * scale
     ranks = sorted({e["rank"] for e in events})
-    fig = new_figure(9.0, 1.0 + 1.1 * len(ranks))
+    lanes = {(r, lane): _pack([e for e in events if e["rank"] == r and e["lane"] == lane and e["end"] > e["start"]])
+             for r in ranks for lane in ("compute", "comm")}
+    fig = new_figure(10.0, 1.4 + 0.3 * sum(map(len, lanes.values())) + 0.3 * len(ranks))
     ax = fig.add_subplot()
-    yticks, ylabels, seen = [], [], {}
-    for row, rank in enumerate(ranks):
-        for k, lane in enumerate(("compute", "comm")):
-            y = -(row * 2.6 + k)
-            yticks.append(y)
+    yticks, ylabels, seen, y = [], [], {}, 0.0
+    for rank in ranks:
+        for lane in ("compute", "comm"):
+            rows = lanes[(rank, lane)]
+            yticks.append(y - (len(rows) - 1) / 2)
             ylabels.append(f"rank {rank} {lane}")
-            for e in (e for e in events if e["rank"] == rank and e["lane"] == lane):
-                kind = e.get("kind") or lane
-                color, hatch = KIND_STYLE.get(kind, ("#BBBBBB", "" if lane == "compute" else "++"))
-                x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
-                ax.barh(y, w, left=x, height=0.8, color=color, hatch=hatch, edgecolor="black", linewidth=0.5)
-                seen.setdefault(kind, Patch(facecolor=color, hatch=hatch, edgecolor="black", label=kind))
-                text = _label(e)
-                if text and w > 0:
-                    ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True,
-                            bbox=dict(facecolor="white", alpha=0.75, linewidth=0, pad=0.6))
+            for k, row in enumerate(rows):
+                for e in row:
+                    kind = e.get("kind") or lane
+                    color, hatch = KIND_STYLE.get(kind, ("#BBBBBB", "" if lane == "compute" else "++"))
+                    x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+                    ax.barh(y - k, w, left=x, height=0.8, color=color, hatch=hatch, edgecolor="black", linewidth=0.5)
+                    seen.setdefault(kind, Patch(facecolor=color, hatch=hatch, edgecolor="black", label=kind))
+                    text = _label(e)
+                    if text and w / span > 0.006 * (len(text) + 1):  # only where it fits (~4 px a character)
+                        ax.text(x + w / 2, y - k, text, ha="center", va="center", fontsize=6, clip_on=True,
+                                bbox=dict(facecolor="white", alpha=0.75, linewidth=0, pad=0.6))
+            for e in (e for e in events if e["rank"] == rank and e["lane"] == lane and e["end"] <= e["start"]):
+                kind = e.get("kind") or "instant"
+                marker, color = INSTANT_MARKERS.get(kind, ("d", "black"))
+                ax.plot([(e["start"] - t0) * scale], [y + 0.5], marker=marker, color=color, markersize=5,
+                        linestyle="none", label=kind)
+                seen.setdefault(kind, ax.lines[-1])
+            y -= len(rows) + 0.4
+        ax.axhline(y + 0.6, color="grey", linewidth=0.6)
+        y -= 0.4
     ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.set_ylim(y + 0.6, 1.0)
+    ax.set_xlim(left=0)
     ax.set_xlabel(f"time since first event ({time_unit})")
     ax.set_ylabel("rank and lane")
     ax.set_title(title)
