@@ -140,7 +140,7 @@ def _rank_main(opts: dict) -> dict:
 
 
 def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
-    """Per (stage, link): medians over steps of the slowest rank, the increase and the prediction."""
+    """Per (stage, link, overlap): medians over steps of the slowest rank, the increase, the prediction."""
     n, params = opts["world_size"], per_rank[0]["params"]
     records = per_rank[0]["records"]
     stages = {}
@@ -166,7 +166,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
     for r in rows:
         r["increase_s"] = r["step_s"] - base[r["stage"]]
         r["hidden"] = 1 - r["slept_s"] / r["link_time_s"] if r["link_time_s"] > 0 else None
-    return dict(options={k: v for k, v in opts.items()}, params=params, stages=stages, rows=rows, wall_s=wall,
+    return dict(options=dict(opts), params=params, stages=stages, rows=rows, wall_s=wall,
                 bytes_ratio=stages[3]["ring_bytes_per_rank"] / stages[0]["ring_bytes_per_rank"],
                 machine=dict(cores=os.cpu_count(), torch=torch.__version__, load_before=opts.get("load_before"),
                              load_after=os.getloadavg()))
