@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+import shardlab
 from shardlab import events, launch
 from shardlab.link import LINKS, Link, LinkEmulator, emulate_link, link_delay
 
@@ -113,18 +114,20 @@ def timed_all_gather(bandwidth_gbps: float):
 
     once()
     before = min(once() for _ in range(3))
-    with emulate_link(bandwidth_gbps, latency_us=0) as em:
+    # the ledger listens first, yet must book the emulated (slow) completion time
+    with shardlab.count_comm() as ledger, emulate_link(bandwidth_gbps, latency_us=0) as em:
         during = once()
     after = min(once() for _ in range(3))
-    return before, during, after, em.slept_s, events.active()
+    return before, during, after, em.slept_s, events.active(), ledger.total("seconds")
 
 
 def test_a_real_collective_is_slowed_then_restored():
     bw = 0.05  # Gbit/s: 1 MB sent per rank -> 0.16 s
     expected = link_delay("all_gather", 500_000, 4, 2, bw, 0.0)
     assert expected == pytest.approx(0.16)
-    for before, during, after, slept, still_listening in launch.run_ranks(timed_all_gather, 2, bw, timeout=90):
+    for before, during, after, slept, still_listening, booked in launch.run_ranks(timed_all_gather, 2, bw, timeout=90):
         assert during >= 0.95 * expected and during > before + 0.1
+        assert booked >= 0.95 * expected  # instruments see the slow link's completion time
         assert slept > 0.1
         assert after < expected / 2
         assert not still_listening

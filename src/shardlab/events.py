@@ -42,9 +42,16 @@ def active() -> bool:
 
 
 @contextmanager
-def listen(listener: Listener):
-    """Call ``listener(name, fields)`` for every event emitted inside the ``with`` block."""
-    _listeners.append(listener)
+def listen(listener: Listener, *, first: bool = False):
+    """Call ``listener(name, fields)`` for every event emitted inside the ``with`` block.
+
+    Listeners share one ``fields`` dict per event; ``first=True`` puts a listener ahead of
+    the others, so that what it changes (slow-link emulation delays ``end``) is what they see.
+    """
+    if first:
+        _listeners.insert(0, listener)
+    else:
+        _listeners.append(listener)
     try:
         yield listener
     finally:

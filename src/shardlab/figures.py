@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     out = args.out or default_dir()
     try:
         if args.check:
+            if args.measured:  # live timings differ run to run: only formula figures are byte-stable
+                print("error: --check compares formula figures only; drop --measured", file=sys.stderr)
+                return 2
             with tempfile.TemporaryDirectory() as tmp:
                 fresh = generate(Path(tmp), args.only, args.measured)
                 stale = [p.name for p in fresh if not (out / p.name).exists() or not filecmp.cmp(p, out / p.name, shallow=False)]

@@ -148,6 +148,7 @@ class LinkEmulator:
         if wait > 0:
             time.sleep(wait)
             self.slept_s += wait
+            fields["end"] = time.perf_counter()  # later listeners (ledger, trace) see the slow link
 
 
 _active: LinkEmulator | None = None
@@ -187,7 +188,7 @@ def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=T
     emulator = LinkEmulator(Link(name, float(bandwidth_gbps), float(latency_us)), overlap=bool(overlap))
     _active = emulator
     try:
-        with events.listen(emulator):
+        with events.listen(emulator, first=True):
             yield emulator
     finally:
         _active = None
