@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from shardlab import models
 from shardlab.link import LINKS, link_delay
+from shardlab.traffic import ring_bytes_sent, volume
 
 STAGES = (0, 3)
 DEFAULT_LINKS = ("none", "NVLink", "InfiniBand", "10GbE", "1GbE")
@@ -146,8 +147,8 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
     stages = {}
     for s in STAGES:
         recs = records[s]
-        elements = sum(2 * r["numel"] if r["kind"] == "all_reduce" else r["numel"] for r in recs)
-        ring = sum((n - 1) / n * (2 if r["kind"] == "all_reduce" else 1) * r["numel"] * r["itemsize"] for r in recs)
+        elements = sum(volume(r["kind"], r["numel"]) for r in recs)
+        ring = sum(ring_bytes_sent(r["kind"], r["numel"], n, r["itemsize"]) for r in recs)
         calls = {}
         for r in recs:
             calls[r["kind"]] = calls.get(r["kind"], 0) + 1
