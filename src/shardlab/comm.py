@@ -49,6 +49,11 @@ class Pending:
     def done(self) -> bool:
         return self._work is None
 
+    @property
+    def buffers(self) -> tuple:
+        """The buffers this collective keeps alive until ``wait()`` (memory instruments count them)."""
+        return self._keep_alive
+
 
 def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pending:
     event = None

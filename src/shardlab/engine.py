@@ -201,6 +201,10 @@ class Engine:
             self.reduce_grads(unit)
             self._finish_reductions(keep=self.max_reductions_in_flight)
 
+    def reductions_in_flight(self) -> list[tuple[FlatUnit, list[torch.Tensor]]]:
+        """Each pending reduction's unit and the gradient buffers it holds until it lands."""
+        return [(unit, [grad, *pending.buffers]) for unit, pending, grad in self._pending]
+
     def _finish_reductions(self, keep: int = 0) -> None:
         """Wait for the oldest reductions until ``keep`` remain in flight, and finish them."""
         while len(self._pending) > keep:

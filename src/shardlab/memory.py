@@ -91,9 +91,8 @@ def _tally(model: nn.Module, optimizer=None, include_constant: bool = True) -> _
             tally.add("grads", unit.master.grad, unit)
             for p in unit.params:
                 tally.add("grads", p.grad, unit)
-        for unit, pending, buf in getattr(engine, "_pending", ()):  # reductions still in flight
-            tally.add("grads", buf, unit)
-            for t in getattr(pending, "_keep_alive", ()):
+        for unit, buffers in engine.reductions_in_flight():
+            for t in buffers:
                 tally.add("grads", t, unit)
     else:
         for p in model.parameters():
