@@ -34,21 +34,13 @@ def test_ddp_moves_two_psi(world_size):
         assert m["ledger"]["backward"]["all_reduce"]["calls"] == len(m["padded"])  # one per unit
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_zero2_moves_two_psi(world_size):
+def test_zero1_and_zero2_move_two_psi(world_size, stage):
+    """Reduce-scatter the gradients (Ψ), all-gather the updated shards (Ψ). ZeRO-1 and ZeRO-2
+    differ only in when the reduce-scatters start (end of backward, or as each unit is ready)."""
     for rank_results in measured(world_size):
-        m = rank_results[2]
-        psi, _ = _psi_and_root(m)
-        assert _elements(m, "backward", "reduce_scatter") == psi
-        assert _elements(m, "step", "all_gather") == psi
-        assert m["ledger_elements"] == 2 * psi
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_zero1_moves_two_psi(world_size):
-    """Like ZeRO-2, but the reduce-scatters wait for the end of backward."""
-    for rank_results in measured(world_size):
-        m = rank_results[1]
+        m = rank_results[stage]
         psi, _ = _psi_and_root(m)
         assert _elements(m, "backward", "reduce_scatter") == psi
         assert _elements(m, "step", "all_gather") == psi
