@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardlab
+from shardlab import models
+from shardlab.traffic import KINDS, volume
 
 OPTIMIZER = torch.optim.AdamW
 OPTIMIZER_KW = dict(lr=1e-3, weight_decay=0.1)
@@ -88,7 +90,7 @@ def build(config: Config, model: nn.Module, device: torch.device):
 
 def train_step(model, optimizer, x, y) -> torch.Tensor:
     """One plain PyTorch step; ``zero_grad`` is left to the caller (memory is read before it)."""
-    loss = shardlab.models.lm_loss(model(x), y)
+    loss = models.lm_loss(model(x), y)
     loss.backward()
     optimizer.step()
     return loss.detach()
@@ -151,8 +153,7 @@ def count_comm(config: Config, model: nn.Module):
 
 def paper_volume(counts: Counter, steps: int = 1) -> float:
     """Elements per step as the ZeRO paper counts them: an all-reduce is RS + AG, so it counts 2."""
-    c = Counter(counts)
-    return (2 * c["all_reduce"] + c["all_gather"] + c["reduce_scatter"] + c["broadcast"]) / steps
+    return sum(volume(kind, counts.get(kind, 0)) for kind in KINDS) / steps
 
 
 # -- memory -------------------------------------------------------------------------------

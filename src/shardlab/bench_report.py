@@ -7,6 +7,7 @@ without running anything: ``bench_report.plot(json.load(open(path)), "bench.png"
 from __future__ import annotations
 
 MB = 10**6  # decimal megabytes, like the ZeRO paper's GB
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}  # collectives
 
 
 def _ratio(x) -> str:
@@ -14,8 +15,7 @@ def _ratio(x) -> str:
 
 
 def _comm(row) -> str:
-    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
-    return " + ".join(f"{short[k]}" for k in short if row["comm"].get(k))
+    return " + ".join(SHORT[k] for k in SHORT if row["comm"].get(k))
 
 
 def table(result: dict) -> str:
