@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -28,57 +29,106 @@ import torch.distributed as dist
 
 from shardlab import bench_configs as bc
 from shardlab import models
+from shardlab.traffic import volume
+
+
+def batch_at(opts: dict, step: int, device: torch.device | None = None):
+    """This rank's rows of step ``step``'s global batch: every configuration sees the same data."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = models.batch(models.SIZES[opts["model"]], opts["batch"], seed=opts["seed"] * 100_000 + step,
+                        rank=rank, world_size=world_size)
+    return (x, y) if device is None else (x.to(device), y.to(device))
+
+
+def timed_rounds(items: list, step_fn, warmup: int, steps: int, sync, desc: str = "", show: bool = False):
+    """Run ``step_fn(item, step)`` for every item in ``warmup + steps`` interleaved rounds.
+
+    Each round runs the items in a rotated order (A B C, B C A, ...), each step after ``sync()``
+    (a barrier: all ranks start together). Returns ``(times, outs)``: per item, the seconds of
+    each timed step (warm-up rounds left out) and ``step_fn``'s return value of every round.
+    """
+    from tqdm.auto import tqdm
+
+    times = {item: [] for item in items}
+    outs = {item: [] for item in items}
+    for step in tqdm(range(warmup + steps), desc=desc, disable=not show):
+        shift = step % len(items)
+        for item in items[shift:] + items[:shift]:  # interleaved, rotated rounds
+            sync()
+            t0 = time.perf_counter()
+            out = step_fn(item, step)
+            elapsed = time.perf_counter() - t0
+            if step >= warmup:
+                times[item].append(elapsed)
+            outs[item].append(out)
+    return times, outs
+
+
+def slowest(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the slowest rank's value: a step ends when its last rank does."""
+    return [max(step) for step in zip(*per_rank, strict=True)]
+
+
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """Median over steps of the slowest rank's value."""
+    return statistics.median(slowest(per_rank))
+
+
+def machine_info(load_before=None) -> dict:
+    """Where the numbers were measured: cores, versions, load average before and after."""
+    return dict(cores=os.cpu_count(), torch=torch.__version__, python=sys.version.split()[0],
+                load_before=load_before, load_after=os.getloadavg())
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """Write ``result`` as JSON to ``path`` ('-': stdout; None: nowhere)."""
+    if not path:
+        return
+    text = json.dumps(result, indent=1, default=str)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def _rank_main(opts: dict) -> dict:
     """Runs on every rank: measure each configuration, then time them all, interleaved."""
     from tqdm.auto import tqdm
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     cuda = opts["device"] == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = models.SIZES[opts["model"]]
     configs = [bc.BY_NAME[n] for n in opts["configs"]]
 
     def make_model():
         torch.manual_seed(opts["seed"])
         return models.gpt(opts["model"]).to(device)
 
-    def data(step):
-        x, y = models.batch(cfg, opts["batch"], seed=opts["seed"] * 100_000 + step, rank=rank, world_size=world_size)
-        return x.to(device), y.to(device)
-
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
 
-    show = rank == 0 and not opts["quiet"]
-    x, y = data(0)
+    def step(name, i):
+        model, optimizer = runs[name]
+        loss = bc.train_step(model, optimizer, *batches[i])
+        optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return loss
+
+    show = dist.get_rank() == 0 and not opts["quiet"]
+    x, y = batch_at(opts, 0, device)
     measured = {}
     for c in tqdm(configs, desc="measure memory + comm", disable=not show):
         measured[c.name] = bc.measure(c, make_model, x, y, device)
         sync()
 
     runs = {c.name: bc.build(c, make_model(), device) for c in configs}
-    times = {c.name: [] for c in configs}
-    losses = {c.name: [] for c in configs}
-    rounds = opts["warmup"] + opts["steps"]
-    for step in tqdm(range(rounds), desc=f"time {len(configs)} configs", disable=not show):
-        x, y = data(step)
-        shift = step % len(configs)
-        for c in configs[shift:] + configs[:shift]:  # interleaved, rotated rounds
-            model, optimizer = runs[c.name]
-            sync()
-            t0 = time.perf_counter()
-            loss = bc.train_step(model, optimizer, x, y)
-            optimizer.zero_grad()
-            if cuda:
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - t0
-            if step >= opts["warmup"]:
-                times[c.name].append(elapsed)
-            losses[c.name].append(loss.item())
+    batches = [batch_at(opts, i, device) for i in range(opts["warmup"] + opts["steps"])]
+    times, losses = timed_rounds(opts["configs"], step, opts["warmup"], opts["steps"], sync,
+                                 desc=f"time {len(configs)} configs", show=show)
+    losses = {name: [loss.item() for loss in ls] for name, ls in losses.items()}
     params = sum(p.numel() for p in make_model().parameters())
     return dict(times=times, losses=losses, measured=measured, params=params)
 
@@ -97,13 +147,11 @@ def run(opts: dict) -> dict:
 
 def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
     """Per configuration: median of the slowest rank's step times, memory, traffic, final loss."""
-    import statistics
-
     params, n = per_rank[0]["params"], opts["world_size"]
     tokens = opts["batch"] * n * models.SIZES[opts["model"]].seq
     rows = {}
     for name in opts["configs"]:
-        steps = [max(r["times"][name][i] for r in per_rank) for i in range(opts["steps"])]
+        steps = slowest([r["times"][name] for r in per_rank])
         losses = [sum(r["losses"][name][i] for r in per_rank) / n for i in range(len(per_rank[0]["losses"][name]))]
         comm = per_rank[0]["measured"][name]["comm"]
         median = statistics.median(steps)
@@ -115,7 +163,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
             formula_bytes=bc.model_states_formula(bc.BY_NAME[name], params, n),
             comm={k: v for k, v in comm.items() if not k.endswith("_bytes")},
             comm_volume_psi=bc.paper_volume(comm) / params,
-            comm_bytes=sum(v * (2 if k == "all_reduce_bytes" else 1) for k, v in comm.items() if k.endswith("_bytes")),
+            comm_bytes=sum(volume(k.removesuffix("_bytes"), v) for k, v in comm.items() if k.endswith("_bytes")),
             loss=losses[-1], losses=losses,
         )
     for base in (bc.DDP, bc.FSDP):
@@ -128,8 +176,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
         options=opts, params=params, tokens_per_step=tokens, wall_s=wall, rows=rows,
         loss_disagreement=(max(final) - min(final)) / abs(min(final)),
         loss_trajectory_disagreement=max(trajectory),
-        machine=dict(cores=os.cpu_count(), torch=torch.__version__, python=sys.version.split()[0],
-                     load_before=opts.get("load_before"), load_after=os.getloadavg()),
+        machine=machine_info(opts.get("load_before")),
     )
 
 
@@ -173,13 +220,7 @@ def main(argv=None) -> int:
     opts = parse(sys.argv[1:] if argv is None else argv)
     result = run(opts)
     print(bench_report.table(result))
-    if opts["json"]:
-        text = json.dumps(result, indent=1, default=str)
-        if opts["json"] == "-":
-            print(text)
-        else:
-            with open(opts["json"], "w") as f:
-                f.write(text + "\n")
+    write_json(result, opts["json"])
     if opts["plot"]:
         bench_report.plot(result, opts["plot"])
         print(f"figure written to {opts['plot']}")

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -37,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab import models
+from shardlab.bench import batch_at, machine_info, slowest_median, timed_rounds, write_json
+from shardlab.bench_report import SHORT
 from shardlab.link import LINKS, link_delay
 from shardlab.traffic import ring_bytes_sent, volume
 
@@ -89,19 +89,11 @@ def _key(stage, link_name, overlap) -> str:
 
 def _rank_main(opts: dict) -> dict:
     """Runs on every rank: book each stage's collectives once, then time every (stage, link) pair."""
-    from tqdm.auto import tqdm
-
     import shardlab
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    cfg = models.SIZES[opts["model"]]
 
     def build(stage):
         torch.manual_seed(opts["seed"])
         return shardlab.parallelize(models.gpt(opts["model"]), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
-
-    def data(step):
-        return models.batch(cfg, opts["batch"], seed=opts["seed"] * 100_000 + step, rank=rank, world_size=world_size)
 
     def train_step(stage, x, y):
         model, optimizer = runs[stage]
@@ -111,7 +103,7 @@ def _rank_main(opts: dict) -> dict:
 
     runs = {s: build(s) for s in STAGES}
     records = {}
-    x, y = data(0)
+    x, y = batch_at(opts, 0)
     for s in STAGES:
         train_step(s, x, y)  # warm-up: optimizer state exists, stage 3 knows its forward order
         with shardlab.count_comm() as ledger:
@@ -120,22 +112,21 @@ def _rank_main(opts: dict) -> dict:
 
     pairs = [(s, link["name"], ov) for s in STAGES for link in opts["links"] for ov in _modes(opts, link)]
     by_name = {link["name"]: link for link in opts["links"]}
-    out = {_key(*pair): dict(step_s=[], link_time_s=[], slept_s=[]) for pair in pairs}
-    show = rank == 0 and not opts["quiet"]
-    for i in tqdm(range(opts["warmup"] + opts["steps"]), desc=f"time {len(pairs)} (stage, link, overlap)", disable=not show):
-        x, y = data(i + 1)
-        shift = i % len(pairs)
-        for s, name, ov in pairs[shift:] + pairs[:shift]:  # interleaved, rotated rounds
-            dist.barrier()
-            t0 = time.perf_counter()
-            with _emulated(by_name[name], ov != "off") as em:
-                train_step(s, x, y)
-            elapsed = time.perf_counter() - t0
-            if i >= opts["warmup"]:
-                row = out[_key(s, name, ov)]
-                row["step_s"].append(elapsed)
-                row["link_time_s"].append(em.link_time_s)
-                row["slept_s"].append(em.slept_s)
+    batches = [batch_at(opts, i + 1) for i in range(opts["warmup"] + opts["steps"])]
+
+    def step(pair, i):
+        s, name, ov = pair
+        with _emulated(by_name[name], ov != "off") as em:
+            train_step(s, *batches[i])
+        return em.link_time_s, em.slept_s  # this step's emulated link time, and the part it slept
+
+    times, links = timed_rounds(pairs, step, opts["warmup"], opts["steps"], dist.barrier,
+                                desc=f"time {len(pairs)} (stage, link, overlap)",
+                                show=dist.get_rank() == 0 and not opts["quiet"])
+    out = {}
+    for pair in pairs:
+        link_time, slept = zip(*links[pair][opts["warmup"]:], strict=True)
+        out[_key(*pair)] = dict(step_s=times[pair], link_time_s=list(link_time), slept_s=list(slept))
     params = sum(p.numel() for p in models.gpt(opts["model"]).parameters())
     return dict(rows=out, records=records, params=params)
 
@@ -159,7 +150,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
             key = _key(s, link["name"], ov)
 
             def med(field, key=key):
-                return statistics.median(max(r["rows"][key][field][i] for r in per_rank) for i in range(opts["steps"]))
+                return slowest_median([r["rows"][key][field] for r in per_rank])
 
             rows.append(dict(stage=s, link=link["name"], overlap=ov, step_s=med("step_s"), link_time_s=med("link_time_s"),
                              slept_s=med("slept_s"), predicted_s=predicted_delay(records[s], n, link)))
@@ -169,8 +160,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
         r["hidden"] = 1 - r["slept_s"] / r["link_time_s"] if r["link_time_s"] > 0 else None
     return dict(options=dict(opts), params=params, stages=stages, rows=rows, wall_s=wall,
                 bytes_ratio=stages[3]["ring_bytes_per_rank"] / stages[0]["ring_bytes_per_rank"],
-                machine=dict(cores=os.cpu_count(), torch=torch.__version__, load_before=opts.get("load_before"),
-                             load_after=os.getloadavg()))
+                machine=machine_info(opts.get("load_before")))
 
 
 def _find(result, stage, link, overlap):
@@ -180,10 +170,8 @@ def _find(result, stage, link, overlap):
 def table(result: dict) -> str:
     """The result as Markdown: per link and stage, the ring model beside both overlap modes."""
     o, st = result["options"], result["stages"]
-    names = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
-
     def comm(s):
-        calls = " + ".join(f"{c} {names[k]}" for k, c in st[s]["calls"].items())
+        calls = " + ".join(f"{c} {SHORT[k]}" for k, c in st[s]["calls"].items())
         return f"{st[s]['psi']:.2f}Ψ ({calls}), {st[s]['ring_bytes_per_rank'] / 1e6:.2f} MB sent per rank"
 
     def cells(row, base, hidden=False):
@@ -271,13 +259,7 @@ def main(argv=None) -> int:
     opts = parse(sys.argv[1:] if argv is None else argv)
     result = run(opts)
     print(table(result))
-    if opts["json"]:
-        text = json.dumps(result, indent=1, default=str)
-        if opts["json"] == "-":
-            print(text)
-        else:
-            with open(opts["json"], "w") as f:
-                f.write(text + "\n")
+    write_json(result, opts["json"])
     return 0
 
 
