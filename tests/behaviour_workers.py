@@ -76,3 +76,38 @@ def bad_inputs():
             wrapped, {k: v for k, v in shardlab.full_state_dict(wrapped).items() if k != "head.bias"})),
         "units of a wrong type": _error(lambda: shardlab.parallelize(MLP(), units=3)),
     }
+
+
+def _sgd_step(stage: int, twice: bool, **parallel):
+    """One SGD step after backward twice on one graph, or once on the doubled loss."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, opt = shardlab.parallelize(make_model("gpt", 0), stage=stage, optimizer_cls=torch.optim.SGD,
+                                      lr=0.1, **parallel)
+    loss = loss_of("gpt", model, *make_batch("gpt", 0, rank, world_size))
+    if twice:
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:
+        (2 * loss).backward()
+    opt.step()
+    return shardlab.full_state_dict(model)
+
+
+def second_backward_on_one_graph(stages):
+    return [(_sgd_step(s, twice=True), _sgd_step(s, twice=False)) for s in stages]
+
+
+def clipped_master_norms(configs):
+    """After clip_grad_norm_(model, 1e-3): the norm of what the optimizer will step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = []
+    for cfg in configs:
+        model, _ = shardlab.parallelize(make_model("gpt", 0), **cfg)
+        loss_of("gpt", model, *make_batch("gpt", 0, rank, world_size)).backward()
+        before = float(shardlab.clip_grad_norm_(model, 1e-3))
+        engine = model._shardlab
+        squares = sum(u.master.grad.double().pow(2).sum() for u in engine.units)
+        if engine.stage >= 1:  # shards: add up the ranks' squares
+            dist.all_reduce(squares)
+        out.append((before, float(squares.sqrt())))
+    return out

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import behaviour_workers
+import pytest
 import torch
 
+from shardlab.api import MixedPrecision
 from shardlab.launch import run_ranks
 
 
@@ -52,3 +54,22 @@ def test_no_process_group_is_a_clear_error():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "no process group" in done.stderr and "init_process_group" in done.stderr
+
+
+def test_a_second_backward_on_one_graph_is_reduced_too():
+    """loss.backward(retain_graph=True); loss.backward() must equal (2 * loss).backward()."""
+    stages = [0, 1, 2, 3]
+    for per_rank in run_ranks(behaviour_workers.second_backward_on_one_graph, 2, stages, timeout=120):
+        for stage, (twice, doubled) in zip(stages, per_rank):
+            assert all(torch.allclose(twice[k], doubled[k], atol=1e-6) for k in twice), stage
+
+
+def test_clip_scales_what_the_optimizer_steps():
+    """Every precision setting: after clipping, the masters' gradient norm is the max norm."""
+    bf16_everywhere = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    configs = [dict(stage=s, mixed_precision=mp) for s in range(4)
+               for mp in (None, torch.bfloat16, bf16_everywhere)]
+    for per_rank in run_ranks(behaviour_workers.clipped_master_norms, 2, configs, timeout=120):
+        for cfg, (before, after) in zip(configs, per_rank):
+            assert before > 1e-2, cfg  # the clip bites
+            assert after == pytest.approx(1e-3, rel=1e-2), cfg

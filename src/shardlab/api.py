@@ -153,8 +153,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     for name, t in own.items():
         if id(t) not in in_units:
             t.copy_(state[name])
-    for unit in engine.units:
-        engine.after_step(unit)  # refresh the full weights from the new masters
 
 
 @torch.no_grad()
@@ -175,10 +173,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         comm.all_reduce(total)
     norm = total.sqrt().float()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if engine.grads_in_params:  # p.grad holds the full gradient; the masters' grads are views of it
-        grads = [p.grad for u in engine.units for p in u.params if p.grad is not None]
-    else:
-        grads = [m.grad for m in masters]
+    grads = [m.grad for m in masters]  # what the optimizer steps
+    if engine.grads_in_params and engine.mixed:  # p.grad: a bf16 copy beside the fp32 masters' grads
+        grads += [p.grad for u in engine.units for p in u.params if p.grad is not None]
+    # (in full precision, stage 0's p.grad are views of the masters' grads: scaled already)
     if grads:
         torch._foreach_mul_(grads, coef)
     return norm

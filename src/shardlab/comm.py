@@ -8,9 +8,10 @@ Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
 * ``broadcast``      rank ``src`` sends a buffer to all.
 
 We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
-silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event (kind,
-elements, dtype, unit, start and end time) so that :mod:`shardlab.instruments` can count and
-time traffic without the engine knowing.
+silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event when
+issued (kind, ``numel`` of the full buffer, dtype, world size, unit, start) and ``"comm_done"``
+when it lands (+ end), so that the instruments (:mod:`shardlab.traffic`, :mod:`shardlab.timeline`,
+:mod:`shardlab.link`) can count, time and slow down traffic without the engine knowing.
 """
 
 from __future__ import annotations

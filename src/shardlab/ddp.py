@@ -29,7 +29,7 @@ class DataParallel(Engine):
 
     def finish_grads(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         grad.div_(self.world_size)  # SUM / N: gloo's ReduceOp.AVG cannot be trusted
-        unit.set_param_grads(grad)  # p.grad shows the averaged gradient, as with DDP
+        unit.set_param_grads(grad)  # p.grad shows the averaged gradient, as with DDP (if same dtype)
         self.accumulate(unit, grad)
 
     def after_step(self, unit: FlatUnit) -> None:

@@ -104,9 +104,10 @@ class Engine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.sync = True  # False inside no_sync(): keep gradients local, communicate later
-        self.mixed = param_dtype is not None  # low-precision params, full-precision masters
         events.set_phase("init")
         groups = group_params(model, find_unit_modules(model, units))
+        # mixed precision: params (and forward, backward) in param_dtype, masters in their own
+        self.mixed = param_dtype not in (None, groups[0][2][0].dtype)
         self._check_same_model_on_every_rank(groups)
         self._broadcast_untrained_state()
         self.units: list[FlatUnit] = []
@@ -115,7 +116,7 @@ class Engine:
             comm.broadcast(unit.full, src=0, unit=name)  # every rank starts from rank 0's weights
             unit.module = module
             unit.master = nn.Parameter(self.make_master(unit))
-            unit.cast(param_dtype or unit.master_dtype)
+            unit.cast(param_dtype if self.mixed else unit.master_dtype)
             self.units.append(unit)
         self.root = self.units[-1] if self.units[-1].module is model else None
         self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
@@ -123,7 +124,7 @@ class Engine:
         # Stage 0 keeps the averaged full gradients; in full precision they live in p.grad (views).
         self.grads_in_params = self.stage == 0 and self.reduce_dtype == self.param_dtype
         self._pending: list[tuple[FlatUnit, comm.Pending, torch.Tensor]] = []
-        self._grads_to_come: dict[FlatUnit, int] = {}
+        self._expect_all_grads()
         self._backward_started = False
         model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         for unit in self.units:
@@ -168,8 +169,8 @@ class Engine:
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
         events.set_phase("forward")
-        self._grads_to_come = {u: len(u.params) for u in self.units}  # (all trainable)
-        if self.param_dtype != self.units[0].master_dtype:  # mixed precision: cast float inputs
+        self._expect_all_grads()
+        if self.mixed:  # cast floating-point inputs to the compute dtype
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
@@ -223,6 +224,11 @@ class Engine:
                 self.reduce_grads(unit)
         self._finish_reductions(keep=0)
         self._backward_started = False
+        self._expect_all_grads()  # a second backward (retain_graph) reduces again
+
+    def _expect_all_grads(self) -> None:
+        """Arm the per-unit countdown: every (trainable) parameter's gradient is yet to come."""
+        self._grads_to_come = {u: len(u.params) for u in self.units}
 
     def accumulate(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         """Give the optimizer ``grad``; add to an earlier one unless the params already did."""

@@ -50,8 +50,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.unit.master.grad = None
-        for p in self.unit.params:
-            p.grad = None
+        self.unit.set_param_grads(None)
 
     def state_dict(self):
         return self.inner.state_dict()

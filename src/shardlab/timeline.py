@@ -26,8 +26,6 @@ import torch.distributed as dist
 
 from shardlab import events
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -26,8 +26,8 @@ class FSDP(ZeRO2):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.forward_order = list(self.units)  # a guess for step 1; recorded from then on
         self._recording: list[FlatUnit] = []
+        self._set_order(list(self.units))  # a guess for step 1; recorded from then on
         self._in_backward = False
         for unit in self.units:
             unit.free()  # at rest: the master shard only
@@ -46,7 +46,13 @@ class FSDP(ZeRO2):
         return super()._on_root_forward(module, args, kwargs)
 
     def _on_root_forward_end(self, module, args, output):
-        self.forward_order = self._recording
+        self._set_order(self._recording)
+
+    def _set_order(self, forward_order: list[FlatUnit]) -> None:
+        """Prefetch orders: forward as recorded; backward reversed, the root (always gathered) first."""
+        self.forward_order = forward_order
+        others = [u for u in reversed(forward_order) if u is not self.root]
+        self.backward_order = ([self.root] if self.root else []) + others
 
     def pre_forward(self, unit: FlatUnit) -> None:
         if not self._in_backward:  # (in backward, this is activation checkpointing's recompute)
@@ -73,8 +79,7 @@ class FSDP(ZeRO2):
         unit.gather()
         events.emit("backward", unit=unit.name)
         if self.prefetch:
-            others = [u for u in reversed(self.forward_order) if u is not self.root]
-            self._prefetch(([self.root] if self.root else []) + others, unit)
+            self._prefetch(self.backward_order, unit)
 
     def post_backward(self, unit: FlatUnit) -> None:
         super().post_backward(unit)  # reduce-scatter the gradients (async)
@@ -88,8 +93,9 @@ class FSDP(ZeRO2):
     # -- helpers ----------------------------------------------------------------------------
     def _prefetch(self, order: list[FlatUnit], unit: FlatUnit) -> None:
         """Start the all-gather of the unit after ``unit`` in ``order``, without waiting."""
-        if unit in order and order.index(unit) + 1 < len(order):
-            order[order.index(unit) + 1].gather(async_op=True)
+        nxt = order.index(unit) + 1 if unit in order else len(order)
+        if nxt < len(order):
+            order[nxt].gather(async_op=True)
 
     def _free(self, unit: FlatUnit) -> None:
         if unit.is_gathered:
