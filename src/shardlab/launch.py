@@ -35,10 +35,12 @@ class RankError(RuntimeError):
         super().__init__(f"rank(s) {ranks} failed:\n{detail}")
 
 
-def init_rank(rank: int, world_size: int, store, backend: str = "gloo", timeout: float = 60.0,
-              threads: int | None = 1) -> torch.device:
+def init_rank(rank: int, world_size: int, store=None, backend: str = "gloo", timeout: float = 60.0,
+              threads: int | None = 1, local_rank: int | None = None) -> torch.device:
     """Join the process group as ``rank`` and return this rank's device.
 
+    ``store=None`` meets the peers by env:// rendezvous (MASTER_ADDR / MASTER_PORT, as torchrun
+    sets them). With NCCL the device is ``cuda:local_rank`` (default: $LOCAL_RANK, else ``rank``).
     ``threads=1`` keeps N ranks from fighting over the cores (and avoids the fork-after-threads
     hang); pass ``None`` to keep torch's default.
     """
@@ -46,7 +48,8 @@ def init_rank(rank: int, world_size: int, store, backend: str = "gloo", timeout:
         torch.set_num_threads(threads)
     device = torch.device("cpu")
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group(

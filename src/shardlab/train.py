@@ -17,7 +17,6 @@ computation whatever the layout: 1 node x 4 processes and 2 nodes x 2 give the s
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
 import sys
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 import shardlab
 from shardlab import comm, models
+from shardlab.launch import init_rank
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,19 +69,14 @@ def setup(args) -> tuple[int, int, torch.device]:
             raise SystemExit(f"error: backend nccl needs cuda:{local_rank}, but "
                              f"{torch.cuda.device_count()} GPU(s) are visible on this node. "
                              "Use --nproc-per-node <= GPUs per node, or --backend gloo.")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        threads = None
     else:
-        device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(args.threads or max(1, cores // local_world))
-    timeout = datetime.timedelta(seconds=args.timeout)
+        threads = args.threads or max(1, cores // local_world)
     if "MASTER_ADDR" in os.environ:  # torchrun (or srun with the variables set): env:// rendezvous
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                **({"device_id": device} if backend == "nccl" else {}))
+        device = init_rank(rank, world_size, None, backend, args.timeout, threads, local_rank=local_rank)
     else:  # plain `python -m shardlab.train`: a group of one, so the same engine code runs
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        device = init_rank(0, 1, dist.HashStore(), backend, args.timeout, threads, local_rank=local_rank)
     return rank, world_size, device
 
 
