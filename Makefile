@@ -32,7 +32,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=120
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check .
 
 figures: $(VENV)/.installed
 	$(BIN)/python -m shardlab figures

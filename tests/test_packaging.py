@@ -32,3 +32,14 @@ def test_environment_yml_names_the_same_packages_as_pyproject():
 def test_torch_floor_is_2_9():
     """fully_shard on gloo sums instead of averaging gradients before 2.9 (reference facts)."""
     assert "torch>=2.9" in requires("shardlab")
+
+
+def test_ruff_is_clean():
+    """The course prints this code: it stays lint-clean (configuration in pyproject.toml)."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    done = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
