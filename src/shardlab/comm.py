@@ -47,10 +47,6 @@ class Pending:
             events.emit("comm_done", **event)
 
     @property
-    def done(self) -> bool:
-        return self._work is None
-
-    @property
     def buffers(self) -> tuple:
         """The buffers this collective keeps alive until ``wait()`` (memory instruments count them)."""
         return self._keep_alive
