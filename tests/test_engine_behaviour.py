@@ -9,7 +9,7 @@ import behaviour_workers
 import pytest
 import torch
 
-from shardlab.api import MixedPrecision
+from shardlab.engine.api import MixedPrecision
 from shardlab.launch import run_ranks
 
 

@@ -6,7 +6,7 @@ free. This benchmark trains the course GPT at stage 0 (DDP: all-reduce, 2Ψ a st
 :func:`shardlab.emulate_link` for each link preset, and prints per link:
 
 * the measured step time (median over steps of the slowest rank) and its increase over no link;
-* the predicted increase: :func:`shardlab.link.link_delay` summed over the step's collectives,
+* the predicted increase: :func:`shardlab.instruments.link.link_delay` summed over the step's collectives,
   as :func:`shardlab.count_comm` booked them. That is the non-overlapped bound: it assumes no
   transfer hides behind compute;
 * the same step with ``overlap=False`` (every op sleeps its full link time, as if each
@@ -35,10 +35,17 @@ import torch
 import torch.distributed as dist
 
 from shardlab import models
-from shardlab.bench import batch_at, machine_info, slowest_median, timed_rounds, write_json
-from shardlab.bench_report import SHORT
-from shardlab.link import LINKS, link_delay
-from shardlab.traffic import ring_bytes_sent, volume
+from shardlab.bench.harness import (
+    add_common_args,
+    batch_at,
+    machine_info,
+    slowest_median,
+    timed_rounds,
+    write_json,
+)
+from shardlab.bench.report import SHORT
+from shardlab.instruments.link import LINKS, link_delay
+from shardlab.instruments.traffic import ring_bytes_sent, volume
 
 STAGES = (0, 3)
 DEFAULT_LINKS = ("none", "NVLink", "InfiniBand", "10GbE", "1GbE")
@@ -71,7 +78,7 @@ def _emulated(link: dict, overlap: bool):
     """The link's emulator as a context manager; no link yields zeros, so rows read alike."""
     if link["bandwidth_gbps"] is None:
         return contextlib.nullcontext(SimpleNamespace(link_time_s=0.0, slept_s=0.0))
-    from shardlab import emulate_link
+    from shardlab.instruments.link import emulate_link
 
     return emulate_link(bandwidth_gbps=link["bandwidth_gbps"], latency_us=link["latency_us"], overlap=overlap)
 
@@ -89,11 +96,12 @@ def _key(stage, link_name, overlap) -> str:
 
 def _rank_main(opts: dict) -> dict:
     """Runs on every rank: book each stage's collectives once, then time every (stage, link) pair."""
-    import shardlab
+    from shardlab.engine.api import parallelize
+    from shardlab.instruments.traffic import count_comm
 
     def build(stage):
         torch.manual_seed(opts["seed"])
-        return shardlab.parallelize(models.gpt(opts["model"]), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
+        return parallelize(models.gpt(opts["model"]), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
 
     def train_step(stage, x, y):
         model, optimizer = runs[stage]
@@ -106,7 +114,7 @@ def _rank_main(opts: dict) -> dict:
     x, y = batch_at(opts, 0)
     for s in STAGES:
         train_step(s, x, y)  # warm-up: optimizer state exists, stage 3 knows its forward order
-        with shardlab.count_comm() as ledger:
+        with count_comm() as ledger:
             train_step(s, x, y)
         records[s] = [dict(kind=r["kind"], numel=r["numel"], itemsize=r["dtype"].itemsize) for r in ledger.records]
 
@@ -228,21 +236,12 @@ def run(opts: dict) -> dict:
 
 def parse(argv) -> dict:
     ap = argparse.ArgumentParser(prog="python -m shardlab slow-link", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="small", choices=sorted(models.SIZES), help="model size (default small)")
-    ap.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per (stage, link) (default 10)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
+    add_common_args(ap, model="small", steps_per="(stage, link)", timeout=900)
     ap.add_argument("--links", default=",".join(DEFAULT_LINKS),
                     help="comma-separated: none, " + ", ".join(LINKS) + " or GBPS:US (default: all presets)")
     ap.add_argument("--overlap", default="both", choices=("both", "on", "off"),
                     help="emulate with transfers overlapping compute (on), each op sleeping its full link time "
                          "(off, the pessimistic bound), or both (default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    ap.add_argument("--json", metavar="PATH", help="write every number as JSON ('-' for stdout)")
-    ap.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.world_size < 2 or args.batch < 1:
         ap.error("--steps and --batch must be >= 1, --warmup >= 0 and --world-size >= 2 (one rank sends nothing)")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from shardlab import comm
-from shardlab.engine import Engine
-from shardlab.flat import FlatUnit
+from shardlab.engine import comm
+from shardlab.engine.base import Engine
+from shardlab.engine.flat import FlatUnit
 
 
 class DataParallel(Engine):

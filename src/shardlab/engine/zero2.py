@@ -11,7 +11,7 @@ the units still to come. Communication is unchanged: 2Ψ a step.
 
 from __future__ import annotations
 
-from shardlab.zero1 import ZeRO1
+from shardlab.engine.zero1 import ZeRO1
 
 
 class ZeRO2(ZeRO1):

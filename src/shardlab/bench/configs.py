@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import shardlab
 from shardlab import models
-from shardlab.traffic import KINDS, volume
+from shardlab.engine.api import parallelize
+from shardlab.instruments.memory import memory_report
+from shardlab.instruments.traffic import KINDS, count_comm, volume
 
 OPTIMIZER = torch.optim.AdamW
 OPTIMIZER_KW = dict(lr=1e-3, weight_decay=0.1)
@@ -68,7 +69,7 @@ def build(config: Config, model: nn.Module, device: torch.device):
     """Make ``model`` (fresh, already on ``device``) data-parallel as ``config`` says."""
     kw = dict(config.build_kw)
     if config.family == "shardlab":
-        return shardlab.parallelize(model, optimizer_cls=OPTIMIZER, **kw, **OPTIMIZER_KW)
+        return parallelize(model, optimizer_cls=OPTIMIZER, **kw, **OPTIMIZER_KW)
     kind = kw.pop("kind")
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -108,7 +109,7 @@ _WRAPPED = {  # torch.distributed function -> (kind, position and name of the fu
 
 
 @contextmanager
-def count_comm(config: Config, model: nn.Module):
+def count_config_traffic(config: Config, model: nn.Module):
     """Count, for the steps run inside, the elements each collective kind moves on this rank.
 
     Yields a Counter ``{kind: elements}``; bytes are kept under ``"<kind>_bytes"``.
@@ -119,8 +120,8 @@ def count_comm(config: Config, model: nn.Module):
         counts[kind] += numel
         counts[f"{kind}_bytes"] += numel * element_size
 
-    if config.family == "shardlab":  # the engine's own ledger (shardlab.traffic)
-        with shardlab.count_comm() as ledger:
+    if config.family == "shardlab":  # the engine's own ledger (shardlab.instruments.traffic)
+        with count_comm() as ledger:
             yield counts
         for rec in ledger.records:
             add(rec["kind"], rec["numel"], rec["dtype"].itemsize)
@@ -159,7 +160,7 @@ def paper_volume(counts: Counter, steps: int = 1) -> float:
 # -- memory -------------------------------------------------------------------------------
 def model_states_formula(config: Config, params: int, world_size: int) -> float:
     """The ZeRO paper's model-state bytes for this stage, all in fp32 (4 + 4 + 8 bytes/param)."""
-    from shardlab.memory_math import RECIPES, model_state_bytes
+    from shardlab.instruments.memory_math import RECIPES, model_state_bytes
 
     return model_state_bytes(params, world_size, RECIPES["fp32-adam"])[("ddp", "zero1", "zero2", "zero3")[config.stage]]
 
@@ -187,7 +188,7 @@ def measure(config: Config, make_model, x, y, device: torch.device) -> dict:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device) - held_bytes(config, model, optimizer)
         torch.cuda.reset_peak_memory_stats(device)
-        with count_comm(config, model) as comm:
+        with count_config_traffic(config, model) as comm:
             train_step(model, optimizer, x, y)
         torch.cuda.synchronize(device)
         states = torch.cuda.memory_allocated(device) - base
@@ -198,7 +199,7 @@ def measure(config: Config, make_model, x, y, device: torch.device) -> dict:
         dist.barrier()  # lets the last step's collectives release their buffers
         start = held_bytes(config, model, optimizer)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with count_comm(config, model) as comm, record_function("bench:step"):
+            with count_config_traffic(config, model) as comm, record_function("bench:step"):
                 train_step(model, optimizer, x, y)
         states = held_bytes(config, model, optimizer)
         peak = start + _largest_rise(prof.profiler.kineto_results.events())
@@ -221,7 +222,7 @@ def held_bytes(config: Config, model: nn.Module, optimizer) -> int:
     and are counted from DDP's own logging data.
     """
     if config.family == "shardlab":
-        return int(shardlab.memory_report(model, optimizer)["total"])
+        return int(memory_report(model, optimizer)["total"])
     seen, total = set(), 0
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
     tensors = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),

@@ -17,7 +17,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from shardlab import figures, plots
+from shardlab.bench import figures
+from shardlab.instruments import plots
 from shardlab.models import batch, gpt, lm_loss
 
 MODEL = "small"  # 4 blocks + the root: enough units to see gather -> compute -> free repeat
@@ -27,13 +28,15 @@ BATCH = 8  # sequences per rank; the small GPT's blocks then compute for a few m
 
 def _record(size: str, per_rank: int) -> dict:
     """Runs on every rank: one traced step with prefetch, one without, one memory-tracked step."""
-    import shardlab
+    from shardlab.engine.api import parallelize
+    from shardlab.instruments.memory import track_memory
+    from shardlab.instruments.timeline import trace
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for prefetch in (True, False):
         torch.manual_seed(0)
-        model, opt = shardlab.parallelize(gpt(size), stage=3, optimizer_cls=torch.optim.AdamW, lr=1e-3,
+        model, opt = parallelize(gpt(size), stage=3, optimizer_cls=torch.optim.AdamW, lr=1e-3,
                                           prefetch=prefetch)
 
         def step(i, model=model, opt=opt):
@@ -44,11 +47,11 @@ def _record(size: str, per_rank: int) -> dict:
 
         for i in range(2):  # warm-up: optimizer state exists, the forward order is recorded
             step(i)
-        with shardlab.trace() as tr:
+        with trace() as tr:
             step(2)
         out["prefetch" if prefetch else "no_prefetch"] = tr.events
         if prefetch:
-            with shardlab.track_memory(model, opt) as mem:
+            with track_memory(model, opt) as mem:
                 step(3)
             out["memory"] = mem.gather()
     return out

@@ -1,12 +1,12 @@
 """Measured memory: what this rank holds, by category, now and across a training step.
 
-The formulas of :mod:`shardlab.memory_math` say what ZeRO *should* save; these instruments
+The formulas of :mod:`shardlab.instruments.memory_math` say what ZeRO *should* save; these instruments
 count what the tensors actually hold, so the two can be set side by side:
 
 * :func:`memory_report` - bytes held now, by category (``gathered``: stage-3 units borrowed);
 * :func:`track_memory` - that tally at every engine event of a step, activations too, and the peak;
 * :func:`saved_activations` - the bytes autograd keeps for backward, which no ZeRO stage
-  shrinks (activation checkpointing does: :func:`checkpoint_units`).
+  shrinks (activation checkpointing does: :func:`shardlab.engine.units.checkpoint_units`).
 
 Counting rule: each *storage* counts once (``untyped_storage().nbytes()``, keyed by data
 pointer), so the parameters of a unit, views of one flat buffer, count as that buffer. Padding
@@ -19,17 +19,15 @@ it steps) are optimizer state.
 
 from __future__ import annotations
 
-import gc
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-from shardlab import events
-from shardlab.engine import Engine, StageOptimizer
-from shardlab.timeline import gather_lists
+from shardlab.engine import events
+from shardlab.engine.api import ShardedModule, engine_of
+from shardlab.engine.comm import gather_lists
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "frozen", "buffers")
 
@@ -73,7 +71,7 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def _engine(model):
-    return getattr(model, "_shardlab", None)
+    return engine_of(model) if isinstance(model, ShardedModule) else None
 
 
 def _inner(optimizer):  # parallelize returns a wrapper; the state lives in the torch optimizer
@@ -192,26 +190,10 @@ def saved_activations(model: nn.Module | None = None):
         yield act
 
 
-def checkpoint_units(model: nn.Module, modules=None) -> nn.Module:
-    """Wrap each unit's forward in activation checkpointing (``use_reentrant=False``), in place.
-
-    ``modules`` defaults to the children of every ``nn.ModuleList`` (the blocks, as
-    ``parallelize`` picks). Module hooks stay outside, so stage 3 gathers before the recompute.
-    """
-    if modules is None:
-        modules = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-    if not modules:
-        raise ValueError("no modules to checkpoint: pass modules=[...] (e.g. model.blocks)")
-    for m in modules:
-        inner = m.forward
-        m.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-    return model
-
-
 class MemoryTrack:
     """Samples of this rank's memory at engine events; ``peak`` is the sample with most bytes.
 
-    ``samples`` have the format ``shardlab.plots.memory_over_time`` draws: ``rank``, ``time``
+    ``samples`` have the format ``shardlab.instruments.plots.memory_over_time`` draws: ``rank``, ``time``
     (seconds since the block began), ``event``, ``unit``, ``phase``, ``bytes`` (per category,
     activations included) and ``total``.
     """
@@ -256,16 +238,6 @@ class MemoryTrack:
         return gather_lists(self.samples)
 
 
-def _live_engine_model():
-    """The one parallelized model alive in this process (for ``track_memory()`` with no model)."""
-    objects = gc.get_objects()
-    engines = [o for o in objects if issubclass(type(o), Engine)]  # type(): no __class__ lookups
-    if len(engines) != 1:
-        raise ValueError(f"found {len(engines)} parallelized models; pass one: track_memory(model, optimizer)")
-    optimizers = [o for o in objects if issubclass(type(o), StageOptimizer) and o.engine is engines[0]]
-    return engines[0].model, optimizers[0] if len(optimizers) == 1 else None
-
-
 @contextmanager
 def track_memory(model: nn.Module | None = None, optimizer=None):
     """Record this rank's memory at every engine event inside the block, and its peak.
@@ -279,7 +251,8 @@ def track_memory(model: nn.Module | None = None, optimizer=None):
     the allocator's peak: a cross-check (the allocator also holds workspaces, fragmentation).
     """
     if model is None:
-        model, optimizer = _live_engine_model()
+        engine = engine_of()
+        model, optimizer = engine.model, engine.optimizer()
     if not isinstance(model, nn.Module):
         raise TypeError(f"track_memory expects an nn.Module, got {type(model).__name__}")
     mem = MemoryTrack(model, optimizer)

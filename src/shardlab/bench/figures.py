@@ -1,7 +1,7 @@
 """``python -m shardlab figures``: regenerate every PNG in ``figures/``, byte for byte.
 
 Each figure is a function registered with :func:`register`, returning a Figure from
-:mod:`shardlab.plots`; its file is ``figures/<name>.png``. Output is deterministic so the
+:mod:`shardlab.instruments.plots`; its file is ``figures/<name>.png``. Output is deterministic so the
 committed PNGs can be checked in CI (``--check``): matplotlib's default style is pinned (a
 user's matplotlibrc is ignored), sizes and dpi are fixed, and PNG metadata (the matplotlib
 version in "Software") is stripped.
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import matplotlib
 
-from shardlab import memory_math as mm
-from shardlab import plots
+from shardlab.instruments import memory_math as mm
+from shardlab.instruments import plots
 
 DPI = 100
 #: Modules that register measured figures when imported (added as the instruments land).
-MEASURED_MODULES: list[str] = ["shardlab.measured_figures"]
+MEASURED_MODULES: list[str] = ["shardlab.bench.measured_figures"]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A tiny event bus: the engine says what it is doing, instruments listen.
 
 The engine calls :func:`emit` at each step of the FSDP cycle (gather issued, gather done,
-forward, free, reduce-scatter, optimizer step) and :mod:`shardlab.comm` emits one event per
+forward, free, reduce-scatter, optimizer step) and :mod:`shardlab.engine.comm` emits one event per
 collective. Instruments (communication ledger, timeline, slow-link emulation) subscribe with
 :func:`listen`. With no listener, ``emit`` returns at once, so the hot path pays almost nothing.
 """

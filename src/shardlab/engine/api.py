@@ -17,6 +17,7 @@ module's own ``forward`` stay as they were, as with PyTorch's ``fully_shard``.
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -24,14 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab import comm
-from shardlab.ddp import DataParallel
-from shardlab.engine import Engine, StageOptimizer
-from shardlab.zero1 import ZeRO1
-from shardlab.zero2 import ZeRO2
-from shardlab.zero3 import FSDP
+from shardlab.engine import comm
+from shardlab.engine.base import Engine, StageOptimizer
+from shardlab.engine.ddp import DataParallel
+from shardlab.engine.zero1 import ZeRO1
+from shardlab.engine.zero2 import ZeRO2
+from shardlab.engine.zero3 import FSDP
 
 STAGES: dict[int, type[Engine]] = {0: DataParallel, 1: ZeRO1, 2: ZeRO2, 3: FSDP}
+
+_live: weakref.WeakSet = weakref.WeakSet()  # parallelized models alive in this process
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,25 @@ def parallelize(model: nn.Module, stage: int = 3, optimizer_cls=torch.optim.Adam
                            prefetch=prefetch, **precision)
     model._shardlab = engine
     model.__class__ = type(f"Sharded{type(model).__name__}", (ShardedModule, type(model)), {})
-    return model, StageOptimizer(engine, optimizer_cls, **optimizer_kwargs)
+    _live.add(model)
+    optimizer = StageOptimizer(engine, optimizer_cls, **optimizer_kwargs)
+    engine.optimizer = weakref.ref(optimizer)  # for instruments that are given only the model
+    return model, optimizer
 
 
-def _engine(model) -> Engine:
+def engine_of(model: nn.Module | None = None) -> Engine:
+    """The engine behind a model that :func:`parallelize` returned (its units, stage, shards).
+
+    The one way in: instruments and checkpoints ask here instead of reading private attributes.
+    With no model: the engine of the one parallelized model alive in this process.
+    """
+    if model is None:
+        models = list(_live)
+        if len(models) != 1:
+            raise ValueError(f"found {len(models)} parallelized models in this process; pass the one you mean")
+        model = models[0]
     if not isinstance(model, ShardedModule):
-        raise TypeError("expected a model returned by shardlab.parallelize")
+        raise TypeError(f"expected a model returned by shardlab.parallelize, got {type(model).__name__}")
     return model._shardlab
 
 
@@ -123,7 +139,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Trainable weights come from the fp32 masters (all-gathered from the shards), so this is
     exact even under mixed precision. Keys and order are those of the original model.
     """
-    engine = _engine(model)
+    engine = engine_of(model)
     full = {}
     for unit in engine.units:
         for p, t in zip(unit.params, unit.views(unit.gather_master())):
@@ -137,7 +153,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full tensors (as from :func:`full_state_dict`); each rank keeps its own shards."""
-    engine = _engine(model)
+    engine = engine_of(model)
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
@@ -164,7 +180,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     if norm_type != 2.0:
         raise ValueError("only the L2 norm (norm_type=2.0) is supported")
-    engine = _engine(model)
+    engine = engine_of(model)
     masters = [u.master for u in engine.units if u.master.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=engine.units[0].master.device)
     for m in masters:

@@ -1,6 +1,6 @@
 """``python -m shardlab bench``: ShardLab's stages against PyTorch's DDP, ZeRO and fully_shard.
 
-Every configuration (see :mod:`shardlab.bench_configs`) trains its own copy of one model, built
+Every configuration (see :mod:`shardlab.bench.configs`) trains its own copy of one model, built
 from one seed, on the same batches, inside one process group. Two phases per rank:
 
 1. **Measure** each configuration alone: build it, run a step, then count the memory and the
@@ -18,7 +18,6 @@ that every row did the same work, so the times are comparable.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,69 +26,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab import bench_configs as bc
 from shardlab import models
-from shardlab.traffic import volume
-
-
-def batch_at(opts: dict, step: int, device: torch.device | None = None):
-    """This rank's rows of step ``step``'s global batch: every configuration sees the same data."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    x, y = models.batch(models.SIZES[opts["model"]], opts["batch"], seed=opts["seed"] * 100_000 + step,
-                        rank=rank, world_size=world_size)
-    return (x, y) if device is None else (x.to(device), y.to(device))
-
-
-def timed_rounds(items: list, step_fn, warmup: int, steps: int, sync, desc: str = "", show: bool = False):
-    """Run ``step_fn(item, step)`` for every item in ``warmup + steps`` interleaved rounds.
-
-    Each round runs the items in a rotated order (A B C, B C A, ...), each step after ``sync()``
-    (a barrier: all ranks start together). Returns ``(times, outs)``: per item, the seconds of
-    each timed step (warm-up rounds left out) and ``step_fn``'s return value of every round.
-    """
-    from tqdm.auto import tqdm
-
-    times = {item: [] for item in items}
-    outs = {item: [] for item in items}
-    for step in tqdm(range(warmup + steps), desc=desc, disable=not show):
-        shift = step % len(items)
-        for item in items[shift:] + items[:shift]:  # interleaved, rotated rounds
-            sync()
-            t0 = time.perf_counter()
-            out = step_fn(item, step)
-            elapsed = time.perf_counter() - t0
-            if step >= warmup:
-                times[item].append(elapsed)
-            outs[item].append(out)
-    return times, outs
-
-
-def slowest(per_rank: list[list[float]]) -> list[float]:
-    """Per step, the slowest rank's value: a step ends when its last rank does."""
-    return [max(step) for step in zip(*per_rank, strict=True)]
-
-
-def slowest_median(per_rank: list[list[float]]) -> float:
-    """Median over steps of the slowest rank's value."""
-    return statistics.median(slowest(per_rank))
-
-
-def machine_info(load_before=None) -> dict:
-    """Where the numbers were measured: cores, versions, load average before and after."""
-    return dict(cores=os.cpu_count(), torch=torch.__version__, python=sys.version.split()[0],
-                load_before=load_before, load_after=os.getloadavg())
-
-
-def write_json(result: dict, path: str | None) -> None:
-    """Write ``result`` as JSON to ``path`` ('-': stdout; None: nowhere)."""
-    if not path:
-        return
-    text = json.dumps(result, indent=1, default=str)
-    if path == "-":
-        print(text)
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
+from shardlab.bench import configs as bc
+from shardlab.bench.harness import (
+    add_common_args,
+    batch_at,
+    machine_info,
+    slowest,
+    timed_rounds,
+    write_json,
+)
+from shardlab.instruments.traffic import volume
 
 
 def _rank_main(opts: dict) -> dict:
@@ -182,22 +129,13 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
 
 def parse(argv) -> dict:
     ap = argparse.ArgumentParser(prog="python -m shardlab bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt-13m", choices=sorted(models.SIZES), help="model size (default gpt-13m)")
-    ap.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8; × seq tokens)")
-    ap.add_argument("--seed", type=int, default=0)
+    add_common_args(ap, model="gpt-13m", steps_per="configuration", timeout=1200)
     ap.add_argument("--configs", default=",".join(c.name for c in bc.CONFIGS),
                     help="comma-separated subset of: " + ", ".join(c.name for c in bc.CONFIGS))
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="cuda = NCCL, one GPU per rank (auto: cuda when there are enough GPUs)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1)")
-    ap.add_argument("--json", metavar="PATH", help="write every number as JSON ('-' for stdout)")
     ap.add_argument("--plot", metavar="PATH", help="save a step-time and memory figure (PNG)")
-    ap.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
     ap.add_argument("--quick", action="store_true", help="CI smoke run: tiny model, 2 steps, 1 warm-up")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.warmup, args.batch = "tiny", 2, 1, 2
@@ -215,7 +153,7 @@ def parse(argv) -> dict:
 
 
 def main(argv=None) -> int:
-    from shardlab import bench_report
+    from shardlab.bench import report as bench_report
 
     opts = parse(sys.argv[1:] if argv is None else argv)
     result = run(opts)

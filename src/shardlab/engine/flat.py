@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from shardlab import comm
+from shardlab.engine import comm
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

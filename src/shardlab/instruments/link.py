@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from shardlab import events
+from shardlab.engine import events
 
 
 @dataclass(frozen=True)

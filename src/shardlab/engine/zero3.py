@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from shardlab import events
-from shardlab.engine import on_output_grad
-from shardlab.flat import FlatUnit
-from shardlab.zero2 import ZeRO2
+from shardlab.engine import events
+from shardlab.engine.base import on_output_grad
+from shardlab.engine.flat import FlatUnit
+from shardlab.engine.zero2 import ZeRO2
 
 
 class FSDP(ZeRO2):

@@ -21,62 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardlab import comm, events
-from shardlab.flat import FlatUnit
-
-
-def find_unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    """The submodules that become units. Default: each child of every ``nn.ModuleList``.
-
-    That is one unit per transformer block for the usual model layouts; ``units`` may instead be
-    a module class, a tuple of classes, or a predicate ``f(module) -> bool``.
-    """
-    if units is None:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        chosen = {id(child) for lst in lists for child in lst}
-        match = lambda m: id(m) in chosen  # noqa: E731
-    elif isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
-        match = lambda m: isinstance(m, units)  # noqa: E731
-    elif callable(units):
-        match = units
-    else:
-        raise TypeError(f"units must be None, a module class, a tuple of classes or a predicate; got {units!r}")
-    return [(name, m) for name, m in model.named_modules() if m is not model and match(m)]
-
-
-def group_params(model: nn.Module, unit_modules) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Assign every trainable parameter to the innermost unit that contains it (root last).
-
-    A parameter reached from two different units (tied across units) cannot be sharded with
-    one owner, so it is rejected with the names that share it.
-    """
-    unit_of = {id(m): name for name, m in unit_modules}
-    owner: dict[int, str] = {}
-    names: dict[int, list[str]] = {}
-    params: dict[str, list[nn.Parameter]] = {name: [] for name, _ in unit_modules}
-    params[""] = []
-
-    def walk(module, prefix, unit):
-        unit = unit_of.get(id(module), unit)
-        for pname, p in module._parameters.items():
-            if p is None or not p.requires_grad:
-                continue
-            names.setdefault(id(p), []).append(prefix + pname)
-            if id(p) in owner and owner[id(p)] != unit:
-                raise ValueError(
-                    f"parameter {names[id(p)]} is shared by units {owner[id(p)]!r} and {unit!r}; "
-                    "put both modules in one unit (units=...) or untie the weights")
-            if id(p) not in owner:
-                owner[id(p)] = unit
-                params[unit].append(p)
-        for cname, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{cname}.", unit)
-
-    walk(model, "", "")
-    modules = dict(unit_modules) | {"": model}
-    order = [name for name, _ in unit_modules] + [""]
-    return [(name or "root", modules[name], params[name]) for name in order if params[name]]
+from shardlab.engine import comm, events
+from shardlab.engine.flat import FlatUnit
+from shardlab.engine.units import find_unit_modules, group_params
 
 
 def on_output_grad(output, fn) -> None:
@@ -104,6 +51,7 @@ class Engine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.sync = True  # False inside no_sync(): keep gradients local, communicate later
+        self.optimizer = lambda: None  # parallelize sets a weak reference to the optimizer it returns
         events.set_phase("init")
         groups = group_params(model, find_unit_modules(model, units))
         # mixed precision: params (and forward, backward) in param_dtype, masters in their own

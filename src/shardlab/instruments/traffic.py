@@ -1,7 +1,7 @@
 """A communication ledger: what this rank's collectives moved, by kind and by phase.
 
 ``count_comm()`` listens to the ``comm`` / ``comm_done`` events that every collective of the
-engine emits (:mod:`shardlab.comm` is its only door to the network) and books each call::
+engine emits (:mod:`shardlab.engine.comm` is its only door to the network) and books each call::
 
     with shardlab.count_comm() as ledger:
         loss_fn(model(x), y).backward(); optimizer.step()
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 
-from shardlab import events
+from shardlab.engine import events
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 PHASES = ("init", "forward", "backward", "step")

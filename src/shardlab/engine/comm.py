@@ -10,8 +10,8 @@ Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
 We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
 silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event when
 issued (kind, ``numel`` of the full buffer, dtype, world size, unit, start) and ``"comm_done"``
-when it lands (+ end), so that the instruments (:mod:`shardlab.traffic`, :mod:`shardlab.timeline`,
-:mod:`shardlab.link`) can count, time and slow down traffic without the engine knowing.
+when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
+:mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab import events
+from shardlab.engine import events
 
 # torch >= 2.12 names the tensor-native collectives *_single; the older names warn in 2.13.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,3 +93,16 @@ def all_reduce(tensor: torch.Tensor, *, unit=None, async_op=False) -> Pending:
 def broadcast(tensor: torch.Tensor, src: int = 0, *, unit=None) -> Pending:
     """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
     return _issue("broadcast", dist.broadcast, tensor, None, unit=unit, async_op=False, src=src)
+
+
+def gather_lists(items: list) -> list:
+    """Every rank's Python ``items`` concatenated in rank order, on every rank (no-op on one process).
+
+    The instruments use it to pool what each rank recorded. It is bookkeeping, not training
+    traffic, so it emits no event and no ledger counts it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(items)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(items))
+    return [x for rank_items in everyone for x in rank_items]

@@ -1,7 +1,7 @@
 """A per-rank timeline of one step: when each unit is gathered, computed, freed and reduced.
 
 ``trace()`` listens to the engine's events on every rank and turns them into intervals on two
-lanes, the format :func:`shardlab.plots.timeline` draws::
+lanes, the format :func:`shardlab.instruments.plots.timeline` draws::
 
     {"rank": 1, "lane": "comm",    "kind": "all_gather", "unit": "blocks.0", "start": .., "end": ..}
     {"rank": 1, "lane": "compute", "kind": "forward",    "unit": "blocks.0", "start": .., "end": ..}
@@ -24,20 +24,12 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from shardlab import events
+from shardlab.engine import events
+from shardlab.engine.comm import gather_lists
 
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def gather_lists(items: list) -> list:
-    """Concatenate every rank's ``items`` (in rank order) on every rank; a no-op on one process."""
-    if not _dist_ready() or dist.get_world_size() == 1:
-        return list(items)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, list(items))
-    return [x for rank_items in everyone for x in rank_items]
 
 
 class Trace:
@@ -93,8 +85,8 @@ class Trace:
                       key=lambda e: e["start"])
 
     def plot(self, **kwargs):
-        """Draw the gathered events with :func:`shardlab.plots.timeline`."""
-        from shardlab.plots import timeline
+        """Draw the gathered events with :func:`shardlab.instruments.plots.timeline`."""
+        from shardlab.instruments.plots import timeline
 
         return timeline([e for e in (self.events or self.local) if e["lane"] in ("compute", "comm")], **kwargs)
 
@@ -107,7 +99,7 @@ def trace(gather: bool = True):
 
         with shardlab.trace() as tr:
             loss_fn(model(x), y).backward(); optimizer.step()
-        shardlab.plots.timeline(tr.events)
+        shardlab.instruments.plots.timeline(tr.events)
 
     Every rank must enter and leave the block (entry is a barrier, exit a gather); with
     ``gather=False`` the exit exchanges nothing and ``tr.events`` holds this rank's events only.

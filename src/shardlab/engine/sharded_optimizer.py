@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab import comm
-from shardlab.flat import FlatUnit
+from shardlab.engine import comm
+from shardlab.engine.flat import FlatUnit
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

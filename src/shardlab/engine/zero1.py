@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from shardlab import comm
-from shardlab.ddp import DataParallel
-from shardlab.flat import FlatUnit
+from shardlab.engine import comm
+from shardlab.engine.ddp import DataParallel
+from shardlab.engine.flat import FlatUnit
 
 
 class ZeRO1(DataParallel):

@@ -29,7 +29,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from shardlab import memory_math as mm
+from shardlab.instruments import memory_math as mm
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 HATCHES = ["//", "..", "xx", "\\\\", "oo", "--", "++", "**"]
@@ -110,7 +110,7 @@ def memory_bars(formula: Mapping, measured: Mapping | None = None, *, unit="GB",
 
     ``formula`` and ``measured`` map a stage (``"ddp"``, ``"zero1"``, ...) to bytes, or to
     ``{"params": b, "grads": b, "optimizer": b}`` for stacked bars (what
-    :func:`shardlab.memory_math.model_state_breakdown` returns). Measured bars are paler.
+    :func:`shardlab.instruments.memory_math.model_state_breakdown` returns). Measured bars are paler.
     """
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
@@ -125,7 +125,7 @@ def comm_volume(volumes: Mapping | None = None, measured: Mapping | None = None,
                 ylabel="elements sent+received per rank per step (× Ψ)", divisor=1.0, title=None) -> Figure:
     """Communication per step for each stage, stacked by collective.
 
-    With no ``volumes``, draws the paper's counts from :data:`shardlab.memory_math.COMM_COLLECTIVES`
+    With no ``volumes``, draws the paper's counts from :data:`shardlab.instruments.memory_math.COMM_COLLECTIVES`
     for ``params`` (1.0 = in units of Ψ): 2Ψ, 2Ψ, 2Ψ, 3Ψ. Otherwise ``volumes`` (and
     ``measured``, e.g. from ``count_comm``) map stage -> number or {collective: number}.
     """

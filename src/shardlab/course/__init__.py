@@ -1,0 +1,1 @@
+"""What the course notebooks and labs import: quizzes, the memory calculator, lab checkers."""
