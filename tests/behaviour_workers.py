@@ -51,6 +51,24 @@ class SharedAcrossUnits(nn.Module):
         self.blocks[1][0].weight = shared.weight
 
 
+class Reversed(nn.Module):
+    """Runs its blocks in reverse registration order: stage 3's fixed walk cannot follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for block in reversed(self.blocks):
+            x = torch.tanh(block(x))
+        return x
+
+
+def _reversed_backward():
+    model, _ = shardlab.parallelize(Reversed(), stage=3)
+    model(torch.randn(2, 4)).sum().backward()
+
+
 def _error(fn) -> tuple[str, str]:
     try:
         fn()
@@ -75,6 +93,8 @@ def bad_inputs():
         "missing key": _error(lambda: shardlab.load_full_state_dict(
             wrapped, {k: v for k, v in shardlab.full_state_dict(wrapped).items() if k != "head.bias"})),
         "units of a wrong type": _error(lambda: shardlab.parallelize(MLP(), units=3)),
+        "stage-3 option at stage 1": _error(lambda: shardlab.parallelize(MLP(), stage=1, prefetch=False)),
+        "units out of order at stage 3": _error(_reversed_backward),  # last: it leaves a broken model
     }
 
 
@@ -105,9 +125,9 @@ def clipped_master_norms(configs):
         model, _ = shardlab.parallelize(make_model("gpt", 0), **cfg)
         loss_of("gpt", model, *make_batch("gpt", 0, rank, world_size)).backward()
         before = float(shardlab.clip_grad_norm_(model, 1e-3))
-        engine = model._shardlab
+        engine = shardlab.engine_of(model)
         squares = sum(u.master.grad.double().pow(2).sum() for u in engine.units)
-        if engine.stage >= 1:  # shards: add up the ranks' squares
+        if engine.shards_optimizer_state:  # shards: add up the ranks' squares
             dist.all_reduce(squares)
         out.append((before, float(squares.sqrt())))
     return out

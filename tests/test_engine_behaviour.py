@@ -43,6 +43,8 @@ def test_bad_input_gives_clear_errors_on_every_rank():
             "state dict of a plain model": ("TypeError", "shardlab.parallelize"),
             "missing key": ("KeyError", "head.bias"),
             "units of a wrong type": ("TypeError", "units must be"),
+            "stage-3 option at stage 1": ("ValueError", "apply to stage 3 only"),
+            "units out of order at stage 3": ("RuntimeError", "in registration order"),
         }
         for case, (kind, words) in expect.items():
             got_kind, message = errors[case]

@@ -26,8 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.engine import comm
-from shardlab.engine.base import Engine, StageOptimizer
+from shardlab.engine.base import Engine
 from shardlab.engine.ddp import DataParallel
+from shardlab.engine.optim import StageOptimizer, guard
 from shardlab.engine.zero1 import ZeRO1
 from shardlab.engine.zero2 import ZeRO2
 from shardlab.engine.zero3 import FSDP
@@ -93,25 +94,38 @@ def parallelize(model: nn.Module, stage: int = 3, optimizer_cls=torch.optim.Adam
         units: the submodules gathered and freed as one at stage 3 (and communicated as one at
             every stage): a class, a tuple of classes or a predicate. Default: each child of every
             ``nn.ModuleList`` (the transformer blocks); what is left belongs to the root unit.
-        reshard_after_forward: stage 3 frees each unit after its forward (ZeRO-3). False keeps
-            them gathered until backward (less communication, ZeRO-2-like weight memory).
-        prefetch: stage 3 starts the next unit's all-gather before it is needed.
+        reshard_after_forward: stage 3 only: free each unit after its forward (ZeRO-3). False
+            keeps them gathered until backward (less communication, ZeRO-2-like weight memory).
+        prefetch: stage 3 only: start the next unit's all-gather before it is needed.
         mixed_precision: a dtype (e.g. ``torch.bfloat16``) or a :class:`MixedPrecision`.
 
     Every rank starts from rank 0's parameters and buffers, as with DDP; gradients are the mean
-    over ranks; frozen parameters are kept whole and untouched.
+    over ranks; frozen parameters are kept whole and untouched. A parameter no rank gave a
+    gradient keeps ``grad = None`` and is not stepped; one used on some ranks gets the sum of
+    the gradients that exist divided by N, as with DDP.
+
+    Your own optimizer: at stage 3 ``model.parameters()`` are this rank's shards (see
+    ``zero3.py``), so ``torch.optim.AdamW(model.parameters())`` works; at stages 1 and 2 (and
+    stage 0 in mixed precision) its first ``step()`` raises: use the returned optimizer.
     """
     _check(model, stage, optimizer_cls)
+    cls = STAGES[stage]
+    stage3_options = dict(reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    if not cls.shards_params:
+        if not (reshard_after_forward and prefetch):
+            raise ValueError(f"reshard_after_forward and prefetch apply to stage 3 only (weights gathered "
+                             f"and freed); stage {stage} keeps every weight. Drop them or use stage=3")
+        stage3_options = {}
     if isinstance(mixed_precision, torch.dtype):
         mixed_precision = MixedPrecision(param_dtype=mixed_precision)
     precision = dict(param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype) \
         if mixed_precision is not None else {}
-    engine = STAGES[stage](model, units=units, reshard_after_forward=reshard_after_forward,
-                           prefetch=prefetch, **precision)
+    engine = cls(model, units=units, **stage3_options, **precision)
     model._shardlab = engine
     model.__class__ = type(f"Sharded{type(model).__name__}", (ShardedModule, type(model)), {})
     _live.add(model)
     optimizer = StageOptimizer(engine, optimizer_cls, **optimizer_kwargs)
+    guard(engine)  # an optimizer over model.parameters() that would train nothing raises at step()
     engine.optimizer = weakref.ref(optimizer)  # for instruments that are given only the model
     return model, optimizer
 
@@ -142,7 +156,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     engine = engine_of(model)
     full = {}
     for unit in engine.units:
-        for p, t in zip(unit.params, unit.views(unit.gather_master())):
+        for p, t in zip(unit.params, unit.views(unit.gather_full_master())):
             full[id(p)] = t.clone()
     state = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -159,9 +173,11 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
     by_id = {id(t): name for name, t in own.items()}
-    for name, t in own.items():
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"{name}: expected shape {tuple(t.shape)}, got {tuple(state[name].shape)}")
+    shapes = {id(p): tuple(s) for unit in engine.units for p, s in zip(unit.params, unit.shapes)}
+    for name, t in own.items():  # (at stage 3 the params show shards: compare with the full shapes)
+        expected = shapes.get(id(t), tuple(t.shape))
+        if tuple(state[name].shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected}, got {tuple(state[name].shape)}")
     in_units = set()
     for unit in engine.units:
         unit.load([state[by_id[id(p)]] for p in unit.params])
@@ -185,14 +201,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = torch.zeros((), dtype=torch.float64, device=engine.units[0].master.device)
     for m in masters:
         total += m.grad.double().pow(2).sum()
-    if engine.stage >= 1:  # the squares are spread over the ranks' shards
+    if engine.shards_optimizer_state:  # the squares are spread over the ranks' shards
         comm.all_reduce(total)
     norm = total.sqrt().float()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    grads = [m.grad for m in masters]  # what the optimizer steps
-    if engine.grads_in_params and engine.mixed:  # p.grad: a bf16 copy beside the fp32 masters' grads
-        grads += [p.grad for u in engine.units for p in u.params if p.grad is not None]
-    # (in full precision, stage 0's p.grad are views of the masters' grads: scaled already)
+    grads = [m.grad for m in masters]  # what the optimizer steps; any p.grad is a view of them
     if grads:
         torch._foreach_mul_(grads, coef)
     return norm

@@ -1,20 +1,33 @@
-"""What every ZeRO stage shares: units, gradient-ready hooks, the end of backward, no_sync.
+"""What every ZeRO stage shares: units, gradient-ready hooks, the reductions' order, no_sync.
 
-A stage (see ``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) only decides four things:
+The stage contract. A stage (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) overrides
+only these public methods; everything else lives here, once:
 
-* ``make_master(unit)``    which part of a unit the optimizer steps on this rank;
-* ``reduce_grads(unit)``   how a unit's gradients are combined across ranks, once they are ready;
-* ``finish_grads(...)``    what is kept when that communication completes;
-* ``after_step(unit)``     how the updated weights reach the parameters again.
+* ``shard(unit)``              which part of a unit the optimizer steps on this rank (the master);
+* ``reduce_grads(unit)``       start combining a unit's gradients across ranks; *returns* the
+  :class:`~shardlab.engine.flat.Reduction` (the base queues it and waits for it);
+* ``keep_grads(reduction)``    what is kept when that reduction lands;
+* ``after_step(unit)``         how the updated weights reach the parameters again;
+* ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
+  ``pre_backward(unit)``, ``post_backward(unit)``, ``backward_done()``: the points of a step
+  where stage 3 gathers and frees (stages 0-2 keep the base's versions).
 
-Everything else lives here, once: flattening the model into units, syncing rank 0's weights,
-knowing when a unit's gradients are all computed, and waiting for the communication at the end
-of backward.
+and sets class attributes instead of testing stage numbers: ``shards_optimizer_state``,
+``shards_grads``, ``shards_params`` (the paper's P_os, P_g, P_p), ``reduce_as_ready``.
+
+Every rank issues the same collectives in the same order, whatever its control flow: each
+unit's reduction starts in one fixed order (the units in reverse registration order, the root
+unit last), as soon as its gradients and those of the units before it are ready. A unit that got
+no gradient on this rank (an expert no token chose) joins with ``-0.0`` when backward ends, as
+FSDP2's root post-backward callback does. A parameter no rank gave a gradient keeps
+``grad = None`` and is not stepped (see ``FlatUnit.find_unused`` for how that is known for free).
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -22,8 +35,16 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engine import comm, events
-from shardlab.engine.flat import FlatUnit
+from shardlab.engine.flat import FlatUnit, Reduction
 from shardlab.engine.units import find_unit_modules, group_params
+
+
+class TrainingState(Enum):
+    """What the engine is doing (FSDP2's ``TrainingState``)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 def on_output_grad(output, fn) -> None:
@@ -34,9 +55,12 @@ def on_output_grad(output, fn) -> None:
 
 
 class Engine:
-    """The machinery shared by stages 0-3. Subclasses supply the four methods named above."""
+    """The machinery shared by stages 0-3. Subclasses supply the methods named above."""
 
     stage: int
+    shards_optimizer_state = False  # the optimizer steps a shard of each unit (ZeRO-1 and up)
+    shards_grads = False  # only a shard of the gradients is kept after backward (ZeRO-2 and up)
+    shards_params = False  # only a shard of the weights is kept at rest (ZeRO-3)
     #: Start each unit's reduction as soon as its gradients are all computed, overlapping the
     #: backward of the units before it (then its full gradients can be dropped). ZeRO-1 waits
     #: for the whole backward instead, holding every full gradient until then.
@@ -45,11 +69,10 @@ class Engine:
     #: buffer, so at most this many units' full gradients are alive during backward.
     max_reductions_in_flight = 2
 
-    def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None,
-                 reshard_after_forward: bool = True, prefetch: bool = True):
+    def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None):
         self.model = model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.state = TrainingState.IDLE
         self.sync = True  # False inside no_sync(): keep gradients local, communicate later
         self.optimizer = lambda: None  # parallelize sets a weak reference to the optimizer it returns
         events.set_phase("init")
@@ -59,36 +82,49 @@ class Engine:
         self._check_same_model_on_every_rank(groups)
         self._broadcast_untrained_state()
         self.units: list[FlatUnit] = []
-        for name, module, params in groups:
-            unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size)
+        for index, (name, module, params) in enumerate(groups):
+            unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size, index=index)
             comm.broadcast(unit.full, src=0, unit=name)  # every rank starts from rank 0's weights
             unit.module = module
-            unit.master = nn.Parameter(self.make_master(unit))
+            unit.master = nn.Parameter(self.shard(unit))
             unit.cast(param_dtype if self.mixed else unit.master_dtype)
             self.units.append(unit)
         self.root = self.units[-1] if self.units[-1].module is model else None
+        self.others = [u for u in self.units if u is not self.root]
+        for unit in self.others:  # the last unit nested inside each (units are in registration order)
+            inside = {id(m) for m in unit.module.modules()}
+            unit.last_index = max(u.index for u in self.others if id(u.module) in inside)
+        #: the fixed order of reductions: reverse registration order, the root (used first and last) last
+        self.reduce_order = self.others[::-1] + ([self.root] if self.root else [])
         self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        # Stage 0 keeps the averaged full gradients; in full precision they live in p.grad (views).
-        self.grads_in_params = self.stage == 0 and self.reduce_dtype == self.param_dtype
-        self._pending: list[tuple[FlatUnit, comm.Pending, torch.Tensor]] = []
-        self._expect_all_grads()
-        self._backward_started = False
+        # Stage 0 in full precision: the averaged full gradients are the params' own (views).
+        self.grads_in_params = not self.shards_optimizer_state and not self.mixed and self.reduce_dtype == self.param_dtype
+        self.param_ids = frozenset(id(p) for u in self.units for p in u.params)
+        self._in_flight: list[Reduction] = []
+        self._next_reduction = 0  # index into reduce_order
+        self._check_zero_sign()
         model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
+        model.register_forward_hook(self._on_root_forward_end)  # first: backward starts here
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._on_grad_ready(unit))
             unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
             unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
 
-    # -- the four decisions of a stage ------------------------------------------------------
-    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+    @property
+    def params_hold_grads(self) -> bool:
+        """After backward, each ``p.grad`` is what an optimizer over ``model.parameters()`` must step."""
+        return self.shards_params or self.grads_in_params
+
+    # -- the stage's decisions ----------------------------------------------------------------
+    def shard(self, unit: FlatUnit) -> torch.Tensor:
         raise NotImplementedError
 
-    def reduce_grads(self, unit: FlatUnit) -> None:
+    def reduce_grads(self, unit: FlatUnit) -> Reduction:
         raise NotImplementedError
 
-    def finish_grads(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+    def keep_grads(self, reduction: Reduction) -> None:
         raise NotImplementedError
 
     def after_step(self, unit: FlatUnit) -> None:
@@ -114,14 +150,30 @@ class Engine:
             for b in self.model.buffers():
                 comm.broadcast(b)
 
+    def _check_zero_sign(self) -> None:
+        """Unused parameters are found by the sign of zero (``FlatUnit.find_unused``): check the backend keeps it."""
+        probe = torch.full((1,), -0.0, dtype=self.reduce_dtype, device=self.units[0].full.device)
+        comm.all_reduce(probe)
+        if not bool(probe.signbit()):
+            warnings.warn("this backend's SUM loses the sign of zero: parameters no rank uses will be "
+                          "stepped with a zero gradient instead of skipped", stacklevel=3)
+
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
         events.set_phase("forward")
-        self._expect_all_grads()
+        self.state = TrainingState.FORWARD
+        for unit in self.units:
+            unit.forward_calls = 0
         if self.mixed:  # cast floating-point inputs to the compute dtype
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
+
+    def _on_root_forward_end(self, module, args, output) -> None:
+        self.forward_done()
+        self.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            on_output_grad(output, self._start_backward)
 
     def pre_forward(self, unit: FlatUnit) -> None:
         events.emit("forward", unit=unit.name)
@@ -132,51 +184,85 @@ class Engine:
         if events.active() and torch.is_grad_enabled():
             on_output_grad(output, lambda: events.emit("backward", unit=unit.name))
 
+    def forward_done(self) -> None:
+        """The root's forward returned."""
+
     # -- backward ---------------------------------------------------------------------------
-    def _on_grad_ready(self, unit: FlatUnit) -> None:
-        """Called after each parameter's gradient is accumulated; a unit is done at zero."""
-        if not self._backward_started:
-            self._backward_started = True
+    def _start_backward(self) -> None:
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.BACKWARD
             events.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._grads_to_come[unit] -= 1
-        if self._grads_to_come[unit] == 0:
+
+    def _on_grad_ready(self, unit: FlatUnit) -> None:
+        """Called after each parameter's gradient is accumulated; a unit is done at zero."""
+        self._start_backward()
+        if unit.reduced:
+            raise RuntimeError(
+                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 each unit "
+                "must run its forward at most once, in registration order (ranks may skip units)")
+        unit.grads_to_come -= 1
+        if unit.grads_to_come == 0:
             events.emit("backward_done", unit=unit.name)
             self.post_backward(unit)
 
     def post_backward(self, unit: FlatUnit) -> None:
-        """A unit's gradients are all computed: start combining them across ranks (async)."""
-        if self.sync and self.reduce_as_ready:
-            self.reduce_grads(unit)
-            self._finish_reductions(keep=self.max_reductions_in_flight)
+        """A unit's gradients are all computed: start the reductions that are due (async)."""
+        if self.reduce_as_ready:
+            self.issue_reductions()
+
+    def issue_reductions(self, force=lambda unit: False, keep: int | None = None) -> None:
+        """Start, in the fixed order, each reduction whose unit is ready (or ``force(unit)``),
+        keeping at most ``keep`` in flight (default ``max_reductions_in_flight``).
+
+        A forced unit is one whose missing gradients will not come on this rank: it reduces
+        ``-0.0`` for them. Only when ``sync``: inside ``no_sync`` gradients stay local.
+        """
+        keep = self.max_reductions_in_flight if keep is None else keep
+        while self.sync and self._next_reduction < len(self.reduce_order):
+            unit = self.reduce_order[self._next_reduction]
+            if unit.grads_to_come > 0 and not force(unit):
+                return
+            unit.grads_to_come, unit.reduced = 0, True
+            self._next_reduction += 1
+            self._in_flight.append(self.reduce_grads(unit))
+            self._finish_reductions(keep=keep)
 
     def reductions_in_flight(self) -> list[tuple[FlatUnit, list[torch.Tensor]]]:
         """Each pending reduction's unit and the gradient buffers it holds until it lands."""
-        return [(unit, [grad, *pending.buffers]) for unit, pending, grad in self._pending]
+        return [(r.unit, [r.grad, *r.pending.buffers]) for r in self._in_flight]
 
     def _finish_reductions(self, keep: int = 0) -> None:
-        """Wait for the oldest reductions until ``keep`` remain in flight, and finish them."""
-        while len(self._pending) > keep:
-            unit, pending, grad = self._pending.pop(0)
-            pending.wait()
-            self.finish_grads(unit, grad)
+        """Wait for the oldest reductions until ``keep`` remain in flight, and keep their result."""
+        while len(self._in_flight) > keep:
+            reduction = self._in_flight.pop(0)
+            reduction.pending.wait()
+            self.keep_grads(reduction)
+
+    def backward_done(self) -> None:
+        """Autograd is done, before the last reductions are issued."""
 
     def _end_of_backward(self) -> None:
-        """Autograd is done: finish units that got no gradient, then wait for all reductions."""
-        for unit in self.units:
-            if self._grads_to_come[unit] > 0:  # unused this step: reduce zeros, like every rank
-                self._grads_to_come[unit] = 0
-                self.post_backward(unit)
-        if self.sync and not self.reduce_as_ready:
-            for unit in self.units:
-                self.reduce_grads(unit)
+        """Every rank: the reductions not started yet (units unused here), in the fixed order."""
+        self.backward_done()
+        self.issue_reductions(force=lambda unit: True, keep=len(self.units))  # all at once: backward is over
         self._finish_reductions(keep=0)
-        self._backward_started = False
-        self._expect_all_grads()  # a second backward (retain_graph) reduces again
+        if self.sync:
+            self._hand_out_grads()
+        for unit in self.units:  # a second backward (retain_graph) reduces again
+            unit.grads_to_come, unit.reduced = len(unit.params), False
+        self._next_reduction = 0
+        self.state = TrainingState.IDLE
 
-    def _expect_all_grads(self) -> None:
-        """Arm the per-unit countdown: every (trainable) parameter's gradient is yet to come."""
-        self._grads_to_come = {u: len(u.params) for u in self.units}
+    def _hand_out_grads(self) -> None:
+        """Params no rank used get ``grad = None``; a master with nothing used is not stepped."""
+        for unit in self.units:
+            grad = unit.master.grad
+            unit.unused = unit.find_unused(grad) if grad is not None else []
+            if unit.unused and len(unit.unused) == sum(b > a for a, b in unit.ranges(grad)):
+                unit.master.grad = grad = None
+            if self.params_hold_grads:
+                unit.set_param_grads(grad, skip=unit.unused)
 
     def accumulate(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         """Give the optimizer ``grad``; add to an earlier one unless the params already did."""
@@ -203,37 +289,3 @@ class Engine:
         for unit in self.units:
             unit.master.grad = None
             unit.set_param_grads(None)
-
-
-class StageOptimizer(torch.optim.Optimizer):
-    """The optimizer ``parallelize`` returns: ``optimizer_cls`` on this rank's masters.
-
-    ``step()`` runs the wrapped optimizer on whatever the stage gave it (the whole model at
-    stage 0, one shard per unit at stages 1-3), then lets the stage bring the new weights back.
-    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers just work.
-    """
-
-    def __init__(self, engine: Engine, optimizer_cls, **kwargs):
-        self.engine = engine
-        self.inner = optimizer_cls([u.master for u in engine.units], **kwargs)
-        super().__init__([u.master for u in engine.units], self.inner.defaults)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("step(closure) is not supported: compute the loss, call backward(), then step()")
-        events.set_phase("step")
-        events.emit("step_start")
-        self.inner.step()
-        self.engine.step()
-        events.emit("step_end")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.inner.load_state_dict(state_dict)

@@ -12,16 +12,27 @@ references stay valid) but their ``.data`` is re-pointed at views into ``full``.
 * one all-gather into ``full`` refreshes every parameter of the unit at once (no copies);
 * freeing ``full``'s storage frees the whole unit, and re-allocating it brings it back;
 * the padding (at most N-1 elements) never reaches a parameter; it is zero and stays zero.
+
+A unit is in one of three states (FSDP2's ``ShardedState``): ``SHARDED`` (only the master shard
+exists), ``GATHERING`` (an all-gather is in flight) or ``GATHERED`` (``full`` holds every element).
+
+Gradients that never came: when a unit packs its gradients, a parameter that got none on this
+rank is sent as ``-0.0``. In IEEE arithmetic a sum is ``-0.0`` only if every term is, and a
+gradient that exists is sent as ``grad + 0.0`` (never ``-0.0``), so after the reduction the
+gradient itself says whether *any* rank used a parameter (:meth:`FlatUnit.find_unused`), with no
+extra collective. ``parallelize`` checks once that the backend keeps the sign of zero.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.nn as nn
 
-from shardlab.engine import comm
+from shardlab.engine import comm, events
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -33,31 +44,55 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape)
 
 
+class UnitState(Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass
+class Reduction:
+    """A unit's gradients on their way across ranks: ``grad`` holds the result once ``pending`` lands."""
+
+    unit: FlatUnit
+    pending: comm.Pending
+    grad: torch.Tensor
+
+
 class FlatUnit:
     """One unit: its trainable parameters flattened into ``full``, padded, split into shards."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], *, rank: int, world_size: int):
+    def __init__(self, name: str, params: list[nn.Parameter], *, rank: int, world_size: int, index: int = 0):
         self.name = name
         self.params = params
         self.rank, self.world_size = rank, world_size
+        self.index = self.last_index = index  # place in the fixed unit order; last unit nested inside
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)  # real elements
+        self._offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
         self.padded_numel = math.ceil(self.numel / world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
         self.master_dtype = params[0].dtype
         self.full = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=params[0].device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=self.full[: self.numel])
+        self.state = UnitState.GATHERED
         self._point_params_at(self.full)
         self.master: nn.Parameter | None = None  # what the optimizer steps: set by the stage
-        self.gathering: comm.Pending | None = None  # an all-gather in flight (prefetch)
+        self.shard_views: list[torch.Tensor] | None = None  # stage 3: what params show at rest
+        self.grads_to_come = len(params)  # countdown of gradients still to come in this backward
+        self.reduced = False  # this backward's reduction is issued
+        self.forward_calls = 0  # forwards run in this step (stage 3 counts them)
+        self.unused: list[int] = []  # params that no rank gave a gradient in the last backward
+        self._gathering: comm.Pending | None = None
 
     # -- layout ---------------------------------------------------------------------------
     def _point_params_at(self, full: torch.Tensor) -> None:
         self.full = full
         self._comm_full = _alias(full)
-        for p, view in zip(self.params, self.views(full)):
+        self._full_views = self.views(full)
+        for p, view in zip(self.params, self._full_views):
             p.data = view
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -68,68 +103,119 @@ class FlatUnit:
         """This rank's contiguous slice of a padded flat buffer (a view, not a copy)."""
         return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
 
+    def ranges(self, flat: torch.Tensor) -> list[tuple[int, int]]:
+        """Where each parameter lies in ``flat``: the whole padded buffer, or this rank's shard
+        (then each parameter's overlap with the shard, possibly empty)."""
+        n = flat.numel()
+        start = 0 if n == self.padded_numel else self.rank * self.shard_numel
+        return [(min(max(a - start, 0), n), min(max(b - start, 0), n)) for a, b in zip(self._offsets, self._offsets[1:])]
+
+    def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's part of ``flat`` as a 1-D view (FSDP1's ``use_orig_params`` layout)."""
+        return [flat[a:b] for a, b in self.ranges(flat)]
+
     def cast(self, dtype: torch.dtype) -> None:
         """Keep the full parameters in ``dtype`` (mixed precision); the master keeps its own."""
         if dtype != self.full.dtype:
             self._point_params_at(self.full.to(dtype))
 
     # -- gather and free (stage 3) ----------------------------------------------------------
-    @property
-    def is_gathered(self) -> bool:
-        return self.full.untyped_storage().size() > 0
-
     def gather(self, *, async_op: bool = False) -> None:
         """Borrow the other ranks' shards: all-gather the master shard into ``full``.
 
         With ``async_op`` (prefetch) this only starts the gather; the next plain ``gather()``
         waits for it.
         """
-        if not self.is_gathered and self.gathering is None:
+        if self.state is UnitState.SHARDED:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
             shard = self.master.detach().to(self.full.dtype)
-            self.gathering = comm.all_gather(self._comm_full, shard, unit=self.name, async_op=True)
-        if not async_op:
-            self.wait_gather()
-
-    def wait_gather(self) -> None:
-        if self.gathering is not None:
-            self.gathering.wait()
-            self.gathering = None
+            self._gathering = comm.all_gather(self._comm_full, shard, unit=self.name, async_op=True)
+            self.state = UnitState.GATHERING
+        if self.state is UnitState.GATHERING and not async_op:
+            self._gathering.wait()
+            self._gathering = None
+            self.state = UnitState.GATHERED
+            if self.shard_views is not None:
+                self._show_full_params()
 
     def free(self) -> None:
         """Give the borrowed shards back: release ``full``'s memory, keep only the master shard."""
-        self.wait_gather()
+        if self.state is UnitState.SHARDED:
+            return
+        self.gather()  # a gather still in flight must land before its buffer goes
         self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+        if self.shard_views is not None:
+            for p, view in zip(self.params, self.shard_views):
+                p.data = view
+        events.emit("free", unit=self.name)
+
+    def _show_full_params(self) -> None:
+        """Params become full views again; the shard gradients they showed go back to the master.
+
+        (Autograd is about to accumulate full-shaped gradients into ``p.grad``.) A shard
+        gradient the user dropped (``zero_grad`` of their own optimizer) is dropped in the master.
+        """
+        grad = self.master.grad
+        for p, piece in zip(self.params, self.pieces(grad) if grad is not None else ()):
+            if p.grad is None and piece.numel():
+                piece.fill_(-0.0)  # dropped (the user's zero_grad, or unused): "no gradient"
+            elif p.grad is not None and p.grad.data_ptr() == piece.data_ptr() and p.grad.shape == piece.shape:
+                p.grad = None  # our shard view: the master keeps it
+        if grad is not None and all(p.grad is None for p in self.params) and not grad.any():
+            self.master.grad = None
+        for p, view in zip(self.params, self._full_views):
+            p.data = view
 
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """The unit's gradients as one padded flat buffer (zeros where a parameter got none)."""
+        """The unit's gradients as one padded flat buffer; ``-0.0`` where a parameter got none."""
         flat = torch.empty(self.padded_numel, dtype=dtype, device=self.full.device)
         flat[self.numel :].zero_()  # the padding
         for g, p in zip(self.views(flat), self.params):
             if p.grad is None:
-                g.zero_()
+                g.fill_(-0.0)  # "no gradient here": only a sum of -0.0s is -0.0
             else:
-                g.copy_(p.grad)
+                torch.add(p.grad, 0.0, out=g)  # a copy that turns -0.0 into +0.0
         return flat
 
-    def set_param_grads(self, flat: torch.Tensor | None) -> None:
-        """Point each ``p.grad`` at its view of ``flat`` (or drop them when ``flat`` is None)."""
-        if flat is None or flat.dtype != self.full.dtype:
-            for p in self.params:
-                p.grad = None
-            return
-        for p, g in zip(self.params, self.views(flat)):
-            p.grad = g
+    def reduce_scatter(self, grad: torch.Tensor) -> Reduction:
+        """Start summing ``grad`` (a packed full buffer) over ranks; this rank keeps its shard."""
+        shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+        return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, async_op=True), shard)
+
+    def find_unused(self, grad: torch.Tensor) -> list[int]:
+        """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them)."""
+        spans = [(i, a, b) for i, (a, b) in enumerate(self.ranges(grad)) if b > a]
+        if not spans:
+            return []
+        firsts = grad[torch.tensor([a for _, a, _ in spans], device=grad.device)]
+        maybe = ((firsts == 0) & firsts.signbit()).tolist()
+        return [i for (i, a, b), m in zip(spans, maybe, strict=True)
+                if m and bool(((grad[a:b] == 0) & grad[a:b].signbit()).all())]
+
+    def set_param_grads(self, flat: torch.Tensor | None, skip=()) -> None:
+        """Point each ``p.grad`` at its part of ``flat``: full views, or shard pieces at stage 3.
+
+        None for params in ``skip``, for a piece with no elements on this rank (as FSDP1 does),
+        or for all when ``flat`` is None or not in the params' dtype.
+        """
+        parts = [None] * len(self.params)
+        if flat is not None and flat.dtype == self.params[0].dtype:
+            parts = self.pieces(flat) if self.shard_views is not None else self.views(flat)
+        for i, (p, g) in enumerate(zip(self.params, parts)):
+            p.grad = None if i in skip or g is None or g.numel() == 0 else g
 
     # -- whole-tensor access (state dicts) --------------------------------------------------
-    def gather_master(self) -> torch.Tensor:
+    def gather_full_master(self) -> torch.Tensor:
         """The full master (fp32) flat buffer, assembled from every rank's shard."""
         if self.master.numel() == self.padded_numel:  # stage 0: every rank holds it all
             return self.master.detach().clone()
         full = torch.empty(self.padded_numel, dtype=self.master.dtype, device=self.master.device)
         comm.all_gather(full, self.master.detach(), unit=self.name)
         return full
+
+    gather_master = gather_full_master  # the old name (checkpoints use it)
 
     def load(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite the unit with full tensors (same order as ``params``); keep the layout."""
@@ -138,5 +224,5 @@ class FlatUnit:
         with torch.no_grad():
             source = full if self.master.numel() == self.padded_numel else self.my_shard(full)
             self.master.copy_(source)
-            if self.is_gathered:
+            if self.state is UnitState.GATHERED:
                 self._comm_full.copy_(full)

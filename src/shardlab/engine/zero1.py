@@ -20,28 +20,24 @@ import torch
 
 from shardlab.engine import comm
 from shardlab.engine.ddp import DataParallel
-from shardlab.engine.flat import FlatUnit
+from shardlab.engine.flat import FlatUnit, Reduction
 
 
 class ZeRO1(DataParallel):
     stage = 1
+    shards_optimizer_state = True
     reduce_as_ready = False
 
-    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+    def shard(self, unit: FlatUnit) -> torch.Tensor:
         """Only this rank's shard is optimized (a view in fp32, a copy when params are bf16)."""
         shard = unit.my_shard(unit.full)
         return shard.clone() if self.mixed else shard
 
-    def reduce_grads(self, unit: FlatUnit) -> None:
+    def reduce_grads(self, unit: FlatUnit) -> Reduction:
         """Sum the unit's gradients over ranks, keeping only this rank's shard of the sum."""
         grad = unit.pack_grads(self.reduce_dtype)
         unit.set_param_grads(None)  # the full per-parameter gradients are no longer needed
-        shard = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
-        self._pending.append((unit, comm.reduce_scatter(shard, grad, unit=unit.name, async_op=True), shard))
-
-    def finish_grads(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        shard.div_(self.world_size)  # SUM / N
-        self.accumulate(unit, shard)
+        return unit.reduce_scatter(grad)
 
     def after_step(self, unit: FlatUnit) -> None:
         """Each rank updated its shard; all-gather the shards so every rank has all weights."""

@@ -5,8 +5,8 @@ whole backward, so every full gradient is alive at its end (2Ψ bytes in bf16). 
 unit's reduce-scatter the moment its last gradient is accumulated, packs and drops the
 per-parameter gradients, and frees the packed buffer as soon as the reduce-scatter lands (at
 most ``max_reductions_in_flight`` = 2 are pending). So only a few units' full gradients exist
-at any time and, at rest, a rank holds just the gradient shard it optimizes. The reduce-scatter also overlaps the backward of
-the units still to come. Communication is unchanged: 2Ψ a step.
+at any time and, at rest, a rank holds just the gradient shard it optimizes. The reduce-scatter
+also overlaps the backward of the units still to come. Communication is unchanged: 2Ψ a step.
 """
 
 from __future__ import annotations
@@ -16,4 +16,5 @@ from shardlab.engine.zero1 import ZeRO1
 
 class ZeRO2(ZeRO1):
     stage = 2
+    shards_grads = True
     reduce_as_ready = True

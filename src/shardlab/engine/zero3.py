@@ -9,6 +9,20 @@ unit's forward and backward it borrows the rest and gives it back::
 so the full weights of only about two units exist at any moment (the one running and the next
 one, prefetched). Communication rises from 2 to 3 model-sizes a step: the weights are
 all-gathered twice, and gradients are reduce-scattered once.
+
+At rest, ``model.parameters()`` are this rank's pieces of each parameter: 1-D views into the
+master shard, possibly empty (FSDP1's ``use_orig_params`` layout; FSDP2 shards each parameter
+on dim 0 instead, which needs a DTensor). While a unit is gathered they are full views again.
+After backward each ``p.grad`` is this rank's piece of the mean gradient (a view into the
+master's gradient, in the master's dtype), so ``torch.optim.AdamW(model.parameters())`` trains
+exactly like the optimizer ``parallelize`` returns, with 1/N of the state.
+
+Gathers are collectives too, and which units a rank runs can depend on its data (an expert no
+token chose). So every rank walks the units in one fixed order, forward (registration order)
+and backward (its reverse, a nested unit after the one around it): on reaching a unit it first
+does, for each unit it skipped, what the ranks that ran it do (gather, free; in backward the
+skipped unit's reduction starts with ``-0.0``). The price of that rule, as in FSDP: each unit runs
+its forward at most once per step and in registration order, unless every rank does the same.
 """
 
 from __future__ import annotations
@@ -16,88 +30,107 @@ from __future__ import annotations
 import torch
 
 from shardlab.engine import events
-from shardlab.engine.base import on_output_grad
-from shardlab.engine.flat import FlatUnit
+from shardlab.engine.base import TrainingState, on_output_grad
+from shardlab.engine.flat import FlatUnit, Reduction
 from shardlab.engine.zero2 import ZeRO2
 
 
 class FSDP(ZeRO2):
     stage = 3
+    shards_params = True
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, *, reshard_after_forward: bool = True, prefetch: bool = True, **kwargs):
+        #: free each unit after its forward (ZeRO-3); False keeps it until backward (ZeRO-2-like memory)
+        self.reshard_after_forward = reshard_after_forward
+        #: start the next unit's all-gather before it is needed
+        self.prefetch = prefetch
         super().__init__(model, **kwargs)
-        self._recording: list[FlatUnit] = []
-        self._set_order(list(self.units))  # a guess for step 1; recorded from then on
-        self._in_backward = False
+        root = [self.root] if self.root else []
+        self.forward_order = root + self.others
+        # reverse of the order in which units finish their forward: a nested unit after its parent
+        self.backward_order = root + sorted(self.others, key=lambda u: (u.last_index, -u.index), reverse=True)
+        self._position = {"forward": {u: i for i, u in enumerate(self.forward_order)},
+                          "backward": {u: i for i, u in enumerate(self.backward_order)}}
+        self._next = 0  # how far this phase's walk has come
         for unit in self.units:
+            unit.shard_views = unit.pieces(unit.master.detach())
             unit.free()  # at rest: the master shard only
-        model.register_forward_hook(self._on_root_forward_end)
 
-    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+    def shard(self, unit: FlatUnit) -> torch.Tensor:
         """A shard with its own memory: the full buffer it came from is about to be freed."""
         return unit.my_shard(unit.full).clone()
+
+    def reduce_grads(self, unit: FlatUnit) -> Reduction:
+        reduction = super().reduce_grads(unit)  # packed: the gathered weights can go
+        unit.free()
+        return reduction
 
     def after_step(self, unit: FlatUnit) -> None:
         """Nothing to gather: the next forward borrows the fresh shards when it needs them."""
 
-    # -- forward ----------------------------------------------------------------------------
-    def _on_root_forward(self, module, args, kwargs):
-        self._recording, self._in_backward = [], False
-        return super()._on_root_forward(module, args, kwargs)
+    # -- the walk: every rank gathers the same units in the same order ----------------------
+    def _walk_to(self, phase: str, unit: FlatUnit, skipped) -> None:
+        """Gather ``unit``, first catching up on the units before it that this rank skipped."""
+        order, position = getattr(self, f"{phase}_order"), self._position[phase][unit]
+        if position < self._next:  # passed already: a unit run twice (every rank must do so)
+            unit.gather()
+            return
+        for other in order[self._next : position]:
+            self._enter(phase, other)
+            skipped(other)
+        self._enter(phase, unit)
 
-    def _on_root_forward_end(self, module, args, output):
-        self._set_order(self._recording)
-
-    def _set_order(self, forward_order: list[FlatUnit]) -> None:
-        """Prefetch orders: forward as recorded; backward reversed, the root (always gathered) first."""
-        self.forward_order = forward_order
-        others = [u for u in reversed(forward_order) if u is not self.root]
-        self.backward_order = ([self.root] if self.root else []) + others
-
-    def pre_forward(self, unit: FlatUnit) -> None:
-        if not self._in_backward:  # (in backward, this is activation checkpointing's recompute)
-            self._recording.append(unit)
+    def _enter(self, phase: str, unit: FlatUnit) -> None:
+        order = getattr(self, f"{phase}_order")
+        self._next = self._position[phase][unit] + 1
+        if phase == "backward":  # the units after this one's subtree are done: reduce them now
+            self.issue_reductions(force=lambda u: u.index > unit.last_index and u.forward_calls < 2 and u is not self.root)
         unit.gather()  # waits here if a prefetch already started it
+        if self.prefetch and self._next < len(order):
+            order[self._next].gather(async_op=True)
+
+    def _free_after_forward(self, unit: FlatUnit) -> None:
+        if not torch.is_grad_enabled() or (self.reshard_after_forward and unit is not self.root):
+            unit.free()  # (no grad: no backward will come, give everything back)
+
+    # -- forward ----------------------------------------------------------------------------
+    def pre_forward(self, unit: FlatUnit) -> None:
+        if self.state is TrainingState.FORWARD:
+            unit.forward_calls += 1
+            self._walk_to("forward", unit, skipped=self._free_after_forward)
+        else:  # a checkpoint's recompute in backward, or a unit called on its own
+            unit.gather()
         events.emit("forward", unit=unit.name)
-        if self.prefetch and not self._in_backward:
-            self._prefetch(self.forward_order, unit)
 
     def post_forward(self, unit: FlatUnit, output) -> None:
         events.emit("forward_done", unit=unit.name)
-        if not torch.is_grad_enabled():  # no backward will come: give everything back
-            self._free(unit)
-            return
-        if self.reshard_after_forward and unit is not self.root and not self._in_backward:
-            self._free(unit)  # (in backward, this forward is a checkpoint's recompute: keep it)
-        on_output_grad(output, lambda: self.pre_backward(unit))
+        if self.state is not TrainingState.BACKWARD:  # (in backward: a recompute, keep it)
+            self._free_after_forward(unit)
+        if torch.is_grad_enabled():
+            on_output_grad(output, lambda: self.pre_backward(unit))
+
+    def forward_done(self) -> None:
+        """Catch up on the units nobody here ran; the backward walk starts from the top."""
+        for unit in self.forward_order[self._next :]:
+            self._enter("forward", unit)
+            self._free_after_forward(unit)
+        self._next = 0
 
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
         """The gradient of the unit's output has arrived: its backward is next, gather it."""
-        self._in_backward = True
         events.set_phase("backward")
-        unit.gather()
+        self._walk_to("backward", unit, skipped=FlatUnit.free)
         events.emit("backward", unit=unit.name)
-        if self.prefetch:
-            self._prefetch(self.backward_order, unit)
 
     def post_backward(self, unit: FlatUnit) -> None:
         super().post_backward(unit)  # reduce-scatter the gradients (async)
-        self._free(unit)
+        unit.free()
 
-    def _end_of_backward(self) -> None:
-        super()._end_of_backward()
-        for unit in self.units:  # e.g. a prefetched unit that was not used after all
-            self._free(unit)
-
-    # -- helpers ----------------------------------------------------------------------------
-    def _prefetch(self, order: list[FlatUnit], unit: FlatUnit) -> None:
-        """Start the all-gather of the unit after ``unit`` in ``order``, without waiting."""
-        nxt = order.index(unit) + 1 if unit in order else len(order)
-        if nxt < len(order):
-            order[nxt].gather(async_op=True)
-
-    def _free(self, unit: FlatUnit) -> None:
-        if unit.is_gathered:
+    def backward_done(self) -> None:
+        for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
+            self._enter("backward", unit)
             unit.free()
-            events.emit("free", unit=unit.name)
+        self._next = 0
+        for unit in self.units:  # e.g. a prefetched unit that was not used after all
+            unit.free()

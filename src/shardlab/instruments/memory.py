@@ -83,7 +83,7 @@ def _tally(model: nn.Module, optimizer=None, include_constant: bool = True) -> _
     engine = _engine(model)
     if engine is not None:
         for unit in engine.units:  # the weights the forward uses come first: masters may view them
-            tally.add("gathered" if engine.stage == 3 else "params", unit.full, unit)
+            tally.add("gathered" if engine.shards_params else "params", unit.full, unit)
             extra_copy = unit.master.dtype != unit.full.dtype  # fp32 master beside bf16 weights
             tally.add("optimizer" if extra_copy else "params", unit.master, unit)
             tally.add("grads", unit.master.grad, unit)

@@ -1,0 +1,60 @@
+"""Issue 13: parameters that get no gradient on some ranks, or on all of them.
+
+Every rank must issue the same collectives in the same order whatever its control flow (else
+the ranks drift apart, gloo aborts, or stage 3 hangs), and a parameter no rank used must not
+move (its ``grad`` stays None, as with DDP). Each case trains 4 steps at every stage and must
+match one process on the concatenated batch at fp32 tolerance, with the ranks' full weights
+bit-identical after every step. ``run_ranks``' timeout turns a hang into a failure in minutes
+(the process group's own timeout is 0.8 of it, far below torch's default of 30 minutes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import unused_workers as uw
+
+from shardlab.launch import run_ranks
+
+FP32_TOL = 1e-5
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _check(configs, results, world_size, parity_log, label=""):
+    for i, cfg in enumerate(configs):
+        ref = uw.reference(cfg["case"], cfg["optimizer"], world_size)
+        for step, ref_state in enumerate(ref):
+            for r in range(1, world_size):  # the ranks never drift apart, not even by one bit
+                assert max_diff(results[r][i][step], results[0][i][step]) == 0.0, (cfg, step, r)
+            diff = max_diff(results[0][i][step], ref_state)
+            assert diff < FP32_TOL, (cfg, step, diff)
+        parity_log(f"ws={world_size} {label}{cfg['case']:16} stage {cfg['stage']} {cfg['optimizer']:5}", diff)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unused_parameters_match_one_process_and_ranks_agree(world_size, parity_log):
+    configs = [dict(case=case, stage=stage, optimizer=opt)
+               for case in uw.CASES for stage in range(4) for opt in ("adamw", "sgd")]
+    results = run_ranks(uw.train_many, world_size, configs, timeout=240)
+    _check(configs, results, world_size, parity_log)
+
+
+def test_unused_parameters_with_your_own_optimizer_at_stage_3(parity_log):
+    """The FSDP2 habit, torch.optim.X(model.parameters()), on the same cases: per-parameter
+    optimizer state, so a parameter that skips steps keeps its own AdamW step count."""
+    configs = [dict(case=case, stage=3, optimizer=opt, own_optimizer=True)
+               for case in uw.CASES for opt in ("adamw", "sgd")]
+    results = run_ranks(uw.train_many, 2, configs, timeout=240)
+    _check(configs, results, 2, parity_log, label="own optimizer ")
+
+
+def test_a_never_used_parameter_keeps_grad_none_and_its_value():
+    per_rank = run_ranks(uw.spare_after_one_step, 2, timeout=120)
+    for stage_results in per_rank:
+        for stage, (grad_is_none, unchanged) in enumerate(stage_results):
+            assert unchanged, stage
+            if stage in (0, 3):  # the stages whose p.grad is the real gradient
+                assert grad_is_none, stage
