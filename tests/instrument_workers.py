@@ -76,7 +76,7 @@ def measure_stage(stage: int, *, prefetch: bool = True, checkpointing: bool = Fa
         checkpoint_units(model)
     model, opt = shardlab.parallelize(model, stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3,
                                       prefetch=prefetch)
-    engine = model._shardlab
+    engine = shardlab.engine_of(model)
     _step(model, opt, 0, rank, world_size)  # warm-up: optimizer state exists, forward order known
     opt.zero_grad()
     with shardlab.trace() as tr, shardlab.count_comm() as ledger:

@@ -18,9 +18,12 @@ and sets class attributes instead of testing stage numbers: ``shards_optimizer_s
 Every rank issues the same collectives in the same order, whatever its control flow: each
 unit's reduction starts in one fixed order (the units in reverse registration order, the root
 unit last), as soon as its gradients and those of the units before it are ready. A unit that got
-no gradient on this rank (an expert no token chose) joins with ``-0.0`` when backward ends, as
-FSDP2's root post-backward callback does. A parameter no rank gave a gradient keeps
-``grad = None`` and is not stepped (see ``FlatUnit.find_unused`` for how that is known for free).
+no gradient on this rank (an expert no token chose) joins with ``-0.0`` when backward ends (at
+stage 3, when the backward walk passes it), as FSDP2's root post-backward callback does. The
+ranks then issue one sequence and differ only in timing, so a rank that waits, waits for a
+collective the others will issue: nobody drifts, aborts or hangs. A parameter no rank gave a
+gradient keeps ``grad = None`` and is not stepped (``FlatUnit.find_unused`` says how that is
+known with no extra collective).
 """
 
 from __future__ import annotations

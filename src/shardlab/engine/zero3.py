@@ -11,8 +11,10 @@ one, prefetched). Communication rises from 2 to 3 model-sizes a step: the weight
 all-gathered twice, and gradients are reduce-scattered once.
 
 At rest, ``model.parameters()`` are this rank's pieces of each parameter: 1-D views into the
-master shard, possibly empty (FSDP1's ``use_orig_params`` layout; FSDP2 shards each parameter
-on dim 0 instead, which needs a DTensor). While a unit is gathered they are full views again.
+master shard, possibly empty (FSDP1's ``use_orig_params`` layout). We keep it because a shard
+boundary cuts the flat buffer anywhere, so pieces are plain views, free; FSDP2's dim-0 shards
+would need padding per parameter and a copy in and out of every all-gather (and a DTensor to
+say which rows a rank holds). While a unit is gathered they are full views again.
 After backward each ``p.grad`` is this rank's piece of the mean gradient (a view into the
 master's gradient, in the master's dtype), so ``torch.optim.AdamW(model.parameters())`` trains
 exactly like the optimizer ``parallelize`` returns, with 1/N of the state.
