@@ -168,12 +168,17 @@ class Cluster(_Runs):
 
     def restart(self) -> Cluster:
         """Stop every engine and start fresh ones (variables on the ranks are lost)."""
+        global _current
+        was_current = _current is self  # stop() forgets the current cluster; %%ranks needs it back
         quiet, self.quiet = self.quiet, True
         try:
             self.stop()
         finally:
             self.quiet = quiet
-        return self.start()
+        self.start()
+        if was_current:
+            _current = self
+        return self
 
     def stop(self) -> None:
         """Stop the engines and the controller, and make sure every one of their processes is gone."""
