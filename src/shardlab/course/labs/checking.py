@@ -410,6 +410,6 @@ def _crashed(task: Task, exc: Exception, limit: float) -> Result:
     if all("no answer within" in t for t in texts):
         return Result(task.id, "timed out", _DEADLOCK.format(limit=limit))
     last = next((t.strip().splitlines()[-1] for t in texts if "no answer" not in t), str(exc))
-    return Result(task.id, "fail", f"your ranks crashed ({last}): gloo aborts a rank when ranks "
-                  "call different collectives; did every rank call the same collectives in the "
-                  "same order?")
+    why = ": gloo aborts a rank when ranks call different collectives; did every rank call the " \
+          "same collectives in the same order?" if "exit code -6" in last else ""
+    return Result(task.id, "fail", f"your ranks crashed ({last}){why}")
