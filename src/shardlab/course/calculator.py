@@ -161,8 +161,6 @@ def plot(result: CalculatorResult):
     ax.axhline(result.gpu_memory_gb, color="black", linewidth=1.2, linestyle=(0, (6, 2, 1, 2)))
     ax.annotate(f"GPU memory {result.gpu_memory_gb:g} GB", (len(bars) - 0.6, result.gpu_memory_gb),
                 xytext=(0, 3), textcoords="offset points", ha="right", fontsize=8)
-    if max(m.total for m in result.stages.values()) > 20 * result.gpu_memory_gb * mm.GB:
-        ax.set_yscale("log")  # DDP's bar would flatten the others and the GPU line
     if result.stage is not None:  # mark the chosen stage's tick
         ax.get_xticklabels()[mm.STAGES.index(result.stage)].set_fontweight("bold")
     ax.set_ylabel("memory per GPU (GB, 10^9 bytes)")
