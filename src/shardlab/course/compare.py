@@ -26,10 +26,12 @@ def side_by_side(rows, unit: str = "bytes", title: str | None = None, measured_b
     ftext = max(len(str(r[1])) for r in rows) + 2
     if title:
         print(title)
-    print(f"{'':<{width}}{'formula':<{ftext}}{unit + ' (formula)':>16}{f'{unit} ({measured_by})':>18}{'ratio':>8}")
+    heads = (f"{unit} (formula)", f"{unit} ({measured_by})")
+    w1, w2 = max(16, len(heads[0]) + 2), max(18, len(heads[1]) + 2)
+    print(f"{'':<{width}}{'formula':<{ftext}}{heads[0]:>{w1}}{heads[1]:>{w2}}{'ratio':>8}")
     ratios = {}
     for label, text, expected, measured in rows:
         ratio = measured / expected if expected else float("nan")
         ratios[label] = ratio
-        print(f"{label:<{width}}{text:<{ftext}}{fmt(expected):>16}{fmt(measured):>18}{ratio:>8.3f}")
+        print(f"{label:<{width}}{text:<{ftext}}{fmt(expected):>{w1}}{fmt(measured):>{w2}}{ratio:>8.3f}")
     return ratios
