@@ -125,3 +125,10 @@ def test_widget_recomputes_when_the_slider_moves():
     slider.value = 7e10
     assert "ZeRO-3: 140 GB per GPU does not fit in 80 GB" in verdict.value
     assert str(calc.memory_calculator(7e10, 8, stage=3)).split("\n")[2] in table.value.replace("&gt;", ">")
+
+
+def test_without_widgets_show_prints_the_plain_function(monkeypatch, capsys):
+    monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
+    calc.show(params=7e9, gpus=8, stage="zero3", gpu_memory_gb=80)
+    out = capsys.readouterr().out
+    assert str(calc.memory_calculator(7e9, 8, stage="zero3")) in out
