@@ -120,7 +120,7 @@ def save_checkpoint(model: nn.Module, optimizer, path) -> Path:
     path = Path(path).absolute()
     token = comm.gather_lists([uuid.uuid4().hex[:12]])[0]  # rank 0's: one name on every rank
     tmp = path.parent / f".{path.name}.tmp-{token}"
-    error, size = None, 0
+    name, error, size = shard_file(engine.rank, engine.world_size), None, 0
     try:
         if path.exists() and not (path / METADATA).is_file():
             raise CheckpointError(f"{path} exists and is not a ShardLab checkpoint; refusing to replace it")
@@ -130,11 +130,10 @@ def save_checkpoint(model: nn.Module, optimizer, path) -> Path:
             tensors, _ = split_state(unit, inner.state.get(unit.master, {}) if inner is not None else {})
             units[unit.name] = {"weights": _my_slice(unit, unit.master),
                                 "state": {k: _my_slice(unit, v) for k, v in tensors.items()}}
-        name = shard_file(engine.rank, engine.world_size)
         size = _save_file({"units": units}, tmp / name)
     except Exception as e:  # noqa: BLE001 - reported to every rank just below
         error = e
-    sizes = _agree(error, f"saving {path}", value=(name if error is None else None, size))
+    sizes = _agree(error, f"saving {path}", value=(name, size))
     error = None
     if engine.rank == 0:
         try:
@@ -201,6 +200,14 @@ def _holds_full(unit) -> bool:
     return all(p.untyped_storage().size() > 0 for p in unit.params)
 
 
+def _master_range(engine, unit) -> tuple[int, int]:
+    """The elements of the unit's padded flat buffer that this rank's master and optimizer state hold."""
+    if unit.master.numel() == unit.padded_numel:  # stage 0: all of them
+        return 0, unit.padded_numel
+    start = engine.rank * unit.shard_numel
+    return start, start + unit.shard_numel
+
+
 def _read(model, engine, inner, path: Path):
     """Everything this rank will load, read and checked, with nothing changed yet."""
     meta = read_metadata(path)
@@ -225,9 +232,9 @@ def _read(model, engine, inner, path: Path):
     reader, units = ShardReader(path, meta), []
     for unit in engine.units:
         pnames = [names[id(p)] for p in unit.params]
-        lo, hi = (0, unit.padded_numel) if unit.master.numel() == unit.padded_numel or _holds_full(unit) \
-            else (engine.rank * unit.shard_numel, (engine.rank + 1) * unit.shard_numel)
-        weights = read_range(reader, where, pnames, unit, "weights", lo, hi, unit.master.dtype)
+        lo, hi = _master_range(engine, unit)
+        wlo, whi = (0, unit.padded_numel) if _holds_full(unit) else (lo, hi)
+        weights = read_range(reader, where, pnames, unit, "weights", wlo, whi, unit.master.dtype)
         state = {}
         if inner is not None:
             saved = {id(u): u for u in (where[n][0] for n in pnames)}.values()
@@ -236,11 +243,9 @@ def _read(model, engine, inner, path: Path):
                 raise CheckpointError(f"unit {unit.name!r}: its parameters come from saved units with different "
                                       f"optimizer state ({sorted(u['name'] for u in saved)})")
             first = next(iter(saved))
-            if unit.master.numel() != unit.padded_numel:  # the optimizer state is shaped like the master
-                lo, hi = engine.rank * unit.shard_numel, (engine.rank + 1) * unit.shard_numel
             for key, dtype in first["state_tensors"].items():
                 state[key] = read_range(reader, where, pnames, unit, key, lo, hi, getattr(torch, dtype))
-            state |= {k: v for k, v in first["state_scalars"].items()}  # decoded on apply
+            state |= first["state_scalars"]  # decoded on apply
         units.append((weights, state))
     return meta, replicated, units
 
@@ -260,17 +265,17 @@ def _compare(what: str, mine: dict, saved: dict, path: Path) -> None:
 def _apply(model, engine, inner, meta, replicated, units) -> None:
     for unit, (weights, state) in zip(engine.units, units):
         device = unit.master.device
-        if weights.numel() == unit.padded_numel and _holds_full(unit):
+        if _holds_full(unit):
             unit.load(unit.views(weights.to(device)))  # keeps the full (maybe bf16) params in step
         else:
             unit.master.copy_(weights)
         if inner is not None:
             group = inner.param_groups[0]
             scalar_device = device if group.get("capturable") or group.get("fused") else "cpu"
-            inner.state[unit.master] = {
-                k: v.to(device) if torch.is_tensor(v) else decode_scalar(v, scalar_device) for k, v in state.items()}
-            if not state:
-                del inner.state[unit.master]
+            inner.state.pop(unit.master, None)
+            if state:  # (no state: the optimizer had not stepped when it was saved)
+                inner.state[unit.master] = {
+                    k: v.to(device) if torch.is_tensor(v) else decode_scalar(v, scalar_device) for k, v in state.items()}
     own = _replicated(model, engine)
     for name, t in replicated["tensors"].items():
         own[name].copy_(t)
