@@ -87,10 +87,13 @@ def crash_mid_save(path: str, full_path: str):
     shardlab.save_checkpoint(model, opt, path)
 
 
-def load_weights(path: str):
+def load_then_save(path: str):
+    """Load the checkpoint a crashed save left intact, then save over it (replacing it)."""
     model, opt = _build(stage=2, seed=5)
     meta = shardlab.load_checkpoint(model, opt, path)
-    return shardlab.full_state_dict(model), meta["step"]
+    loaded = shardlab.full_state_dict(model)
+    shardlab.save_checkpoint(model, opt, path)
+    return loaded, meta["step"]
 
 
 def _error(fn) -> tuple[str, str]:
@@ -109,11 +112,14 @@ def bad_inputs(root: str):
     _train(model, opt, 0, 1)
     shardlab.save_checkpoint(model, opt, good)
     if rank == 0:  # damaged copies
-        for name in ("missing", "truncated"):
+        for name in ("missing", "truncated", "corrupt"):
             shutil.copytree(good, root / name)
         (root / "missing" / "shard-00001-of-00002.pt").unlink()
         with open(root / "truncated" / "shard-00000-of-00002.pt", "r+b") as f:
             f.truncate(100)
+        with open(root / "corrupt" / "shard-00001-of-00002.pt", "r+b") as f:  # same size, no zip directory
+            f.seek(-200, os.SEEK_END)
+            f.write(bytes(200))
         (root / "not-a-checkpoint").mkdir()
     comm.all_reduce(torch.zeros(1))  # the copies exist before anyone reads them
     target, target_opt = _build(stage=2, seed=5)
@@ -126,6 +132,8 @@ def bad_inputs(root: str):
         "no such path": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "nowhere")),
         "missing shard": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "missing")),
         "truncated shard": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "truncated")),
+        # at stage 3 each rank reads only its own shard: rank 1 alone finds the damage
+        "corrupt shard, one rank": _error(lambda: shardlab.load_checkpoint(model, opt, root / "corrupt")),
         "not a checkpoint": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "not-a-checkpoint")),
         "different model": _error(lambda: shardlab.load_checkpoint(other_model, other_opt, good)),
         "different shape": _error(lambda: shardlab.load_checkpoint(wider, wider_opt, good)),
@@ -138,7 +146,14 @@ def bad_inputs(root: str):
     }
     after = shardlab.full_state_dict(target)
     untouched = all(torch.equal(before[k], after[k]) for k in before) and not target_opt.state
-    return errors, untouched
+    # weights only: optimizer=None on both sides
+    shardlab.save_checkpoint(model, None, root / "weights")
+    errors["weights only, loaded with an optimizer"] = _error(
+        lambda: shardlab.load_checkpoint(target, target_opt, root / "weights"))
+    shardlab.load_checkpoint(target, None, root / "weights")
+    expected, got = shardlab.full_state_dict(model), shardlab.full_state_dict(target)
+    weights_only = all(torch.equal(expected[k], got[k]) for k in expected)
+    return errors, untouched, weights_only
 
 
 def make_model_wider() -> nn.Module:

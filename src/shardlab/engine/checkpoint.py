@@ -58,14 +58,18 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
 def _agree(error: Exception | None, what: str, value=None) -> list:
     """Every rank learns every rank's outcome. If any failed, all raise; else return all ``value``s."""
-    reports = comm.gather_lists([(None if error is None else f"{type(error).__name__}: {error}", value)])
+    mine = None
+    if error is not None:
+        mine = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    reports = comm.gather_lists([(mine, value)])
     failed: dict[str, list[int]] = {}
     for rank, (message, _) in enumerate(reports):
         if message is not None:
             failed.setdefault(message, []).append(rank)
     if failed:
-        detail = "; ".join(f"rank {', '.join(map(str, ranks))}: {m}" for m, ranks in failed.items())
-        raise CheckpointError(f"{what} failed on every rank because of {detail}") from error
+        detail = "; ".join(f"on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {m}"
+                           for m, ranks in failed.items())
+        raise CheckpointError(f"{what} failed {detail}") from error
     return [v for _, v in reports]
 
 
@@ -221,7 +225,8 @@ def _read(model, engine, inner, path: Path):
             raise CheckpointError(f"{path} holds no optimizer state; load it with optimizer=None")
         cls = f"{type(inner).__module__}.{type(inner).__qualname__}"
         if meta["optimizer"]["cls"] != cls:
-            raise CheckpointError(f"{path} holds the state of {meta['optimizer']['cls']}, not of {cls}")
+            raise CheckpointError(f"{path} holds the state of {meta['optimizer']['cls']}, not of {cls}; "
+                                  "parallelize with that optimizer_cls, or load with optimizer=None")
     replicated = torch.load(path / REPLICATED, map_location="cpu", weights_only=True)
     if inner is not None and len(replicated["param_groups"]) != len(inner.param_groups):
         raise CheckpointError(f"{path / REPLICATED}: the saved optimizer has {len(replicated['param_groups'])} "
@@ -250,15 +255,19 @@ def _read(model, engine, inner, path: Path):
     return meta, replicated, units
 
 
+def _few(names: list[str]) -> str:
+    return f"{names[:4]}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def _compare(what: str, mine: dict, saved: dict, path: Path) -> None:
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or unexpected:
-        raise CheckpointError(f"{path} is a checkpoint of a different model: {what}s missing from it "
-                              f"{missing}, in it but not in the model {unexpected}")
+        raise CheckpointError(f"{path} is a checkpoint of a different model: {what}s not in it {_few(missing)}, "
+                              f"in it but not in the model {_few(unexpected)}; build the model it was saved from")
     for name, shape in mine.items():
         if saved[name] != shape:
             raise CheckpointError(f"{path}: {what} {name!r} has shape {saved[name]} in the checkpoint, "
-                                  f"{shape} in the model")
+                                  f"{shape} in the model; build the model it was saved from")
 
 
 @torch.no_grad()

@@ -126,7 +126,8 @@ def read_metadata(path: Path) -> dict:
     for name, size in meta["files"].items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {name}; the checkpoint is incomplete")
+            raise CheckpointError(f"checkpoint {path} is missing {name}: it is incomplete; "
+                                  "restore the file or load an earlier checkpoint")
         if f.stat().st_size != size:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the metadata says {size}: "
                                   "the file is truncated or was replaced")
