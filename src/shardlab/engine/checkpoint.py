@@ -200,8 +200,11 @@ def load_checkpoint(model: nn.Module, optimizer, path) -> dict:
 
 
 def _holds_full(unit) -> bool:
-    """Stages 0-2 (and a gathered stage-3 unit) hold the full weights: they must all be refreshed."""
-    return all(p.untyped_storage().size() > 0 for p in unit.params)
+    """Stages 0-2 (and a gathered stage-3 unit) hold the full weights: they must all be refreshed.
+
+    A freed stage-3 parameter keeps its full shape over an empty storage.
+    """
+    return all(p.shape == s and p.untyped_storage().size() > 0 for p, s in zip(unit.params, unit.shapes))
 
 
 def _master_range(engine, unit) -> tuple[int, int]:
