@@ -57,15 +57,24 @@ def save_and_resume(path: str, full_path: str, optimizer="adamw", **parallel):
                 meta=meta, x=x, logits=logits, files=sorted(os.listdir(path)))
 
 
-def load_and_continue(path: str, configs: list[dict]):
-    """For each layout: load the checkpoint, record the weights, train the last 2 steps."""
+def load_and_continue(path: str, full_path: str, configs: list[dict]):
+    """For each layout: load the checkpoint, record the weights, train the last 2 steps.
+
+    ``same_output``: the loaded model computes exactly what the same layout computes after
+    ``load_full_state_dict`` of the full checkpoint (so the parameters forward uses were refreshed).
+    """
     out = []
+    x = _batch(0)[0]
     for cfg in configs:
         model, opt = _build(seed=5, **cfg)
         shardlab.load_checkpoint(model, opt, path)
         loaded = shardlab.full_state_dict(model)
+        reference, _ = _build(seed=6, **cfg)
+        shardlab.load_full_state_dict(reference, torch.load(full_path, weights_only=True))
+        with torch.no_grad():
+            same_output = torch.equal(model(x), reference(x))
         _train(model, opt, 2, 4)
-        out.append(dict(loaded=loaded, resumed=shardlab.full_state_dict(model)))
+        out.append(dict(loaded=loaded, same_output=same_output, resumed=shardlab.full_state_dict(model)))
     return out
 
 

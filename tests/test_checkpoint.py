@@ -71,7 +71,7 @@ def test_each_rank_writes_only_its_shard(saved):
 
 
 @pytest.mark.parametrize("world_size, configs", [
-    (2, [dict(stage=2), dict(stage=0)]),
+    (2, [dict(stage=2), dict(stage=0), dict(stage=2, mixed_precision=torch.bfloat16)]),
     (3, [dict(stage=3), dict(stage=1), dict(stage=3, units=torch.nn.Linear),
          dict(stage=3, mixed_precision=torch.bfloat16)]),
 ])
@@ -79,11 +79,12 @@ def test_reshard_to_other_world_sizes_and_stages(saved, world_size, configs, par
     """Save at 4 ranks stage 3, load at 2 or 3 ranks (3 needs other padding), any stage, any unit split."""
     path, full_path, results = saved
     full, uninterrupted = torch.load(full_path, weights_only=True), results[0]["uninterrupted"]
-    per_rank = run_ranks(checkpoint_workers.load_and_continue, world_size, str(path), configs,
+    per_rank = run_ranks(checkpoint_workers.load_and_continue, world_size, str(path), str(full_path), configs,
                          timeout=120 * SLOWDOWN)
     for i, cfg in enumerate(configs):
         for r in range(world_size):
             assert bit_exact(per_rank[r][i]["loaded"], full), (cfg, "loading moves data, it computes nothing")
+            assert per_rank[r][i]["same_output"], (cfg, "forward computes with the loaded weights")
         if "mixed_precision" in cfg:
             continue  # bf16 steps differ from fp32 ones; the exact load above is what is checked
         diff = max(max_diff(per_rank[r][i]["resumed"], uninterrupted) for r in range(world_size))

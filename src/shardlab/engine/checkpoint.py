@@ -10,9 +10,10 @@
   (at stage 0 every rank holds it all, and still writes only its slice). Rank 0 adds the
   metadata and the small replicated part (frozen parameters, buffers). Layout:
   :mod:`shardlab.engine.checkpoint_format` and ``docs/checkpoints.md``.
-* **Resharding.** A loading rank computes the range of each unit it holds in the *new* layout
-  and reads, parameter by parameter, only the old shard files that overlap it. Stages 0-2 hold
-  the full weights, so they read the whole unit (one unit at a time); stage 3 reads its shard.
+* **Resharding.** A loading rank computes the range of each unit its master holds in the *new*
+  layout (its shard; all of it at stage 0) and reads, parameter by parameter, only the old
+  shard files that overlap it. Stages 1-2 then all-gather each unit's new shards, one unit at a
+  time, to refresh the full parameters they keep.
 * **Atomic.** Files go to a temporary directory beside ``path``; when every rank reports
   success, rank 0 swaps it into place. A crash before that leaves the previous checkpoint as it was.
 * **Every rank agrees.** Each phase ends with one collective through :mod:`shardlab.engine.comm`
@@ -194,15 +195,17 @@ def load_checkpoint(model: nn.Module, optimizer, path) -> dict:
         plan = _read(model, engine, inner, path)
     except Exception as e:  # noqa: BLE001 - reported to every rank just below
         error = e
-    _agree(error, f"loading {path}")
-    _apply(model, engine, inner, *plan)
+    # which units hold full parameters (stages 0-2) that must be refreshed: one answer for all ranks
+    holds_full = [any(per_rank) for per_rank in zip(*_agree(error, f"loading {path}",
+                                                             value=[_holds_full(u) for u in engine.units]))]
+    _apply(model, engine, inner, holds_full, *plan)
     return plan[0]
 
 
 def _holds_full(unit) -> bool:
-    """Stages 0-2 (and a gathered stage-3 unit) hold the full weights: they must all be refreshed.
+    """Stages 0-2 (and a gathered stage-3 unit) hold the full weights, which must be refreshed too.
 
-    A freed stage-3 parameter keeps its full shape over an empty storage.
+    (A freed stage-3 parameter keeps its full shape over an empty storage.)
     """
     return all(p.shape == s and p.untyped_storage().size() > 0 for p, s in zip(unit.params, unit.shapes))
 
@@ -241,8 +244,7 @@ def _read(model, engine, inner, path: Path):
     for unit in engine.units:
         pnames = [names[id(p)] for p in unit.params]
         lo, hi = _master_range(engine, unit)
-        wlo, whi = (0, unit.padded_numel) if _holds_full(unit) else (lo, hi)
-        weights = read_range(reader, where, pnames, unit, "weights", wlo, whi, unit.master.dtype)
+        weights = read_range(reader, where, pnames, unit, "weights", lo, hi, unit.master.dtype)
         state = {}
         if inner is not None:
             saved = {id(u): u for u in (where[n][0] for n in pnames)}.values()
@@ -274,11 +276,15 @@ def _compare(what: str, mine: dict, saved: dict, path: Path) -> None:
 
 
 @torch.no_grad()
-def _apply(model, engine, inner, meta, replicated, units) -> None:
-    for unit, (weights, state) in zip(engine.units, units):
+def _apply(model, engine, inner, holds_full, meta, replicated, units) -> None:
+    for unit, full_params, (weights, state) in zip(engine.units, holds_full, units):
         device = unit.master.device
-        if _holds_full(unit):
-            unit.load(unit.views(weights.to(device)))  # keeps the full (maybe bf16) params in step
+        weights = weights.to(device)
+        if full_params:  # gather the new shards, one unit at a time, into the full (maybe bf16) params
+            if weights.numel() != unit.padded_numel:
+                shards, weights = weights, torch.empty(unit.padded_numel, dtype=weights.dtype, device=device)
+                comm.all_gather(weights, shards, unit=unit.name)
+            unit.load(unit.views(weights))
         else:
             unit.master.copy_(weights)
         if inner is not None:
