@@ -47,6 +47,7 @@ from shardlab.engine.checkpoint_format import (
     decode_scalar,
     describe_units,
     dtype_name,
+    dumps,
     jsonable,
     read_metadata,
     read_range,
@@ -165,7 +166,7 @@ def _write_metadata(model, engine, inner, tmp: Path, files: dict[str, int]) -> N
             param_groups=[{k: jsonable(v) for k, v in g.items()} for g in groups]),
         replicated={name: dict(shape=list(t.shape), dtype=dtype_name(t.dtype)) for name, t in replicated.items()},
         files=files, units=units)
-    (tmp / METADATA).write_text(json.dumps(meta, indent=1))
+    (tmp / METADATA).write_text(dumps(meta))
 
 
 def _swap_into_place(tmp: Path, path: Path, token: str) -> None:

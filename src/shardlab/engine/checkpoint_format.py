@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from itertools import accumulate
 from pathlib import Path
 
@@ -87,6 +88,14 @@ def jsonable(value):
     return repr(value)
 
 
+def dumps(meta: dict) -> str:
+    """JSON to read with ``cat``: small lists and flat objects (a parameter, the files) on one line."""
+    text = json.dumps(meta, indent=1)
+    one_line = lambda m: m[0][0] + re.sub(r"\n\s*", " ", m[0][1:-1]).strip() + m[0][-1]  # noqa: E731
+    short = re.sub(r"\{[^{}]*\}", one_line, re.sub(r"\[[^\[\]{}]*\]", one_line, text))
+    return short if json.loads(short) == meta else text  # (a bracket inside a string: keep it plain)
+
+
 def describe_units(model: nn.Module, engine, inner) -> list[dict]:
     """Each unit's layout (parameter names, shapes, offsets, padding) and what state it carries."""
     names = {id(p): name for name, p in model.named_parameters()}
@@ -97,7 +106,7 @@ def describe_units(model: nn.Module, engine, inner) -> list[dict]:
         units.append(dict(
             name=unit.name, numel=unit.numel, padded_numel=unit.padded_numel, shard_numel=unit.shard_numel,
             padding=unit.padded_numel - unit.numel, dtype=dtype_name(unit.master.dtype),
-            params=[dict(name=names[id(p)], shape=list(shape), offset=offset, numel=numel)
+            params=[dict(name=names[id(p)], shape=list(shape), dtype=dtype_name(p.dtype), offset=offset, numel=numel)
                     for p, shape, offset, numel in zip(unit.params, unit.shapes, offsets, unit.numels)],
             state_tensors={k: dtype_name(v.dtype) for k, v in sorted(tensors.items())},
             state_scalars={k: encode_scalar(v) for k, v in sorted(scalars.items())}))
