@@ -23,9 +23,9 @@ def _batch(step: int):
     return make_batch("gpt", step, rank, world_size, per_rank=GLOBAL_BATCH // world_size)
 
 
-def _build(optimizer="adamw", seed=0, **parallel):
+def _build(optimizer="adamw", seed=0, freeze=(), **parallel):
     cls, kw = OPTIMIZERS[optimizer]
-    return shardlab.parallelize(make_model("gpt", seed), optimizer_cls=cls, **kw, **parallel)
+    return shardlab.parallelize(make_model("gpt", seed, freeze), optimizer_cls=cls, **kw, **parallel)
 
 
 def _train(model, opt, first: int, last: int) -> None:
@@ -35,10 +35,10 @@ def _train(model, opt, first: int, last: int) -> None:
         opt.zero_grad()
 
 
-def save_and_resume(path: str, full_path: str, optimizer="adamw", **parallel):
+def save_and_resume(path: str, full_path: str, optimizer="adamw", freeze=(), **parallel):
     """Train 2 steps, save, train 2 more (the run that never stopped). Then a fresh model with
     other weights loads the checkpoint and trains the same 2 steps (the resumed run)."""
-    model, opt = _build(optimizer, **parallel)
+    model, opt = _build(optimizer, freeze=freeze, **parallel)
     _train(model, opt, 0, 2)
     shardlab.save_checkpoint(model, opt, path)
     full = shardlab.full_state_dict(model)
@@ -49,7 +49,7 @@ def save_and_resume(path: str, full_path: str, optimizer="adamw", **parallel):
         logits = model(x)
     _train(model, opt, 2, 4)
     uninterrupted = shardlab.full_state_dict(model)
-    fresh, fresh_opt = _build(optimizer, seed=5, **parallel)
+    fresh, fresh_opt = _build(optimizer, seed=5, freeze=freeze, **parallel)
     meta = shardlab.load_checkpoint(fresh, fresh_opt, path)
     loaded = shardlab.full_state_dict(fresh)
     _train(fresh, fresh_opt, 2, 4)

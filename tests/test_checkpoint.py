@@ -92,12 +92,16 @@ def test_reshard_to_other_world_sizes_and_stages(saved, world_size, configs, par
         assert diff < FP32_TOL, (cfg, diff)
 
 
-def test_stage0_and_sgd_momentum_resume_bit_exact(tmp_path):
+def test_stage0_sgd_momentum_and_frozen_params_resume_bit_exact(tmp_path):
+    """The fresh model's frozen embedding differs too: rank 0 saved it once, every rank loads it."""
     results = run_ranks(checkpoint_workers.save_and_resume, 2, str(tmp_path / "c"), str(tmp_path / "f.pt"),
-                        optimizer="sgd", stage=0, timeout=120 * SLOWDOWN)
+                        optimizer="sgd", freeze=("pos",), stage=0, timeout=120 * SLOWDOWN)
+    full = torch.load(tmp_path / "f.pt", weights_only=True)
     for r in results:
+        assert bit_exact(r["loaded"], full)
         assert bit_exact(r["resumed"], r["uninterrupted"])
         assert r["meta"]["units"][0]["state_tensors"] == {"momentum_buffer": "float32"}
+        assert list(r["meta"]["replicated"]) == ["pos.weight"]
 
 
 def test_full_checkpoint_loads_into_a_plain_model(saved):

@@ -44,6 +44,7 @@ from shardlab.engine.checkpoint_format import (
     VERSION,
     CheckpointError,
     ShardReader,
+    compare_shapes,
     decode_scalar,
     describe_units,
     dtype_name,
@@ -89,13 +90,9 @@ def _inner_optimizer(engine, optimizer):
     return inner
 
 
-def _unit_param_ids(engine) -> set[int]:
-    return {id(p) for unit in engine.units for p in unit.params}
-
-
 def _replicated(model: nn.Module, engine) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers: every rank holds them whole and equal, so rank 0 saves them."""
-    in_units = _unit_param_ids(engine)
+    in_units = {id(p) for unit in engine.units for p in unit.params}
     return {name: t for name, t in model.state_dict(keep_vars=True).items() if id(t) not in in_units}
 
 
@@ -226,7 +223,7 @@ def _read(model, engine, inner, path: Path):
     shapes = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
     names = {id(p): name for name, p in model.named_parameters()}
     mine = {names[id(p)]: tuple(s) for unit in engine.units for p, s in zip(unit.params, unit.shapes)}
-    _compare("trainable parameter", mine, shapes, path)
+    compare_shapes("trainable parameter", mine, shapes, path)
     if inner is not None:
         if meta["optimizer"] is None:
             raise CheckpointError(f"{path} holds no optimizer state; load it with optimizer=None")
@@ -234,12 +231,15 @@ def _read(model, engine, inner, path: Path):
         if meta["optimizer"]["cls"] != cls:
             raise CheckpointError(f"{path} holds the state of {meta['optimizer']['cls']}, not of {cls}; "
                                   "parallelize with that optimizer_cls, or load with optimizer=None")
-    replicated = torch.load(path / REPLICATED, map_location="cpu", weights_only=True)
+    try:
+        replicated = torch.load(path / REPLICATED, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged file
+        raise CheckpointError(f"cannot read {path / REPLICATED}: truncated or corrupt ({e})") from e
     if inner is not None and len(replicated["param_groups"]) != len(inner.param_groups):
         raise CheckpointError(f"{path / REPLICATED}: the saved optimizer has {len(replicated['param_groups'])} "
                               f"param groups, this one {len(inner.param_groups)}")
     own = {name: tuple(t.shape) for name, t in _replicated(model, engine).items()}
-    _compare("frozen parameter or buffer", own, {k: tuple(t.shape) for k, t in replicated["tensors"].items()}, path)
+    compare_shapes("frozen parameter or buffer", own, {k: tuple(t.shape) for k, t in replicated["tensors"].items()}, path)
 
     reader, units = ShardReader(path, meta), []
     for unit in engine.units:
@@ -259,21 +259,6 @@ def _read(model, engine, inner, path: Path):
             state |= first["state_scalars"]  # decoded on apply
         units.append((weights, state))
     return meta, replicated, units
-
-
-def _few(names: list[str]) -> str:
-    return f"{names[:4]}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-def _compare(what: str, mine: dict, saved: dict, path: Path) -> None:
-    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    if missing or unexpected:
-        raise CheckpointError(f"{path} is a checkpoint of a different model: {what}s not in it {_few(missing)}, "
-                              f"in it but not in the model {_few(unexpected)}; build the model it was saved from")
-    for name, shape in mine.items():
-        if saved[name] != shape:
-            raise CheckpointError(f"{path}: {what} {name!r} has shape {saved[name]} in the checkpoint, "
-                                  f"{shape} in the model; build the model it was saved from")
 
 
 @torch.no_grad()

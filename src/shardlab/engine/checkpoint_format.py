@@ -143,6 +143,22 @@ def read_metadata(path: Path) -> dict:
     return meta
 
 
+def _few(names: list[str]) -> str:
+    return f"{names[:4]}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def compare_shapes(what: str, mine: dict, saved: dict, path: Path) -> None:
+    """The model's and the checkpoint's ``{name: shape}`` must agree; else name the difference."""
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} is a checkpoint of a different model: {what}s not in it {_few(missing)}, "
+                              f"in it but not in the model {_few(unexpected)}; build the model it was saved from")
+    for name, shape in mine.items():
+        if saved[name] != shape:
+            raise CheckpointError(f"{path}: {what} {name!r} has shape {saved[name]} in the checkpoint, "
+                                  f"{shape} in the model; build the model it was saved from")
+
+
 class ShardReader:
     """Reads element ranges of the saved units' flat buffers, opening only the shard files it needs.
 
