@@ -78,15 +78,19 @@ def load_and_continue(path: str, full_path: str, configs: list[dict]):
     return out
 
 
-def crash_mid_save(path: str, full_path: str):
-    """Save once, train a step, then save again; rank 1 dies while writing its shard file."""
+def crash_mid_save(path: str, full_dir: str):
+    """Save once, train a step, then save again; rank 1 dies while writing its shard file.
+
+    Rank 0 keeps the full weights after steps 1 and 2 in ``full_dir``, to compare with later.
+    """
     model, opt = _build(stage=3)
-    _train(model, opt, 0, 1)
-    shardlab.save_checkpoint(model, opt, path)
-    full = shardlab.full_state_dict(model)
-    if dist.get_rank() == 0:
-        torch.save(full, full_path)
-    _train(model, opt, 1, 2)
+    for step in (1, 2):
+        _train(model, opt, step - 1, step)
+        if step == 1:
+            shardlab.save_checkpoint(model, opt, path)
+        full = shardlab.full_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save(full, Path(full_dir) / f"step{step}.pt")
     if dist.get_rank() == 1:
         def dying_save(obj, f, *args, **kwargs):
             f.write(b"PK\x03\x04 half a shard")
@@ -97,12 +101,15 @@ def crash_mid_save(path: str, full_path: str):
 
 
 def load_then_save(path: str):
-    """Load the checkpoint a crashed save left intact, then save over it (replacing it)."""
-    model, opt = _build(stage=2, seed=5)
+    """In a fresh process group: load the checkpoint a crashed save left intact, train the step
+    that followed it, then save over it (replacing it)."""
+    model, opt = _build(stage=3, seed=5)
     meta = shardlab.load_checkpoint(model, opt, path)
     loaded = shardlab.full_state_dict(model)
+    _train(model, opt, 1, 2)
+    trained = shardlab.full_state_dict(model)
     shardlab.save_checkpoint(model, opt, path)
-    return loaded, meta["step"]
+    return loaded, trained, meta["step"]
 
 
 def _error(fn) -> tuple[str, str]:

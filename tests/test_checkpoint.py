@@ -114,19 +114,20 @@ def test_full_checkpoint_loads_into_a_plain_model(saved):
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    path, full_path = tmp_path / "ckpt", tmp_path / "full.pt"
+    path, full_dir = tmp_path / "ckpt", tmp_path / "full"
+    full_dir.mkdir()
     with pytest.raises(RankError) as info:
-        run_ranks(checkpoint_workers.crash_mid_save, 2, str(path), str(full_path), timeout=60 * SLOWDOWN)
+        run_ranks(checkpoint_workers.crash_mid_save, 2, str(path), str(full_dir), timeout=60 * SLOWDOWN)
     assert "exit code 3" in str(info.value)
     assert any(p.name.startswith(".ckpt.tmp-") for p in tmp_path.iterdir()), "the half-written save"
     results = run_ranks(checkpoint_workers.load_then_save, 2, str(path), timeout=60 * SLOWDOWN)
-    full = torch.load(full_path, weights_only=True)
-    for weights, step in results:
-        assert step == 1.0
-        assert bit_exact(weights, full)
+    step1, step2 = (torch.load(full_dir / f"step{i}.pt", weights_only=True) for i in (1, 2))
+    for loaded, trained, step in results:
+        assert step == 1.0 and bit_exact(loaded, step1), "the previous checkpoint, intact"
+        assert bit_exact(trained, step2), "a fresh process group resumes bit for bit"
     # the save that followed replaced the checkpoint and swept the crashed save's leftovers away
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]
-    assert json.loads((path / "metadata.json").read_text())["stage"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full"]
+    assert json.loads((path / "metadata.json").read_text())["step"] == 2.0
 
 
 def test_bad_input_gives_clear_errors_on_every_rank(tmp_path):
