@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import json
 import os
 import shutil
@@ -34,7 +35,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from shardlab import __version__ as shardlab_version
 from shardlab.engine import comm
 from shardlab.engine.api import engine_of
 from shardlab.engine.checkpoint_format import (
@@ -156,7 +156,7 @@ def _write_metadata(model, engine, inner, tmp: Path, files: dict[str, int]) -> N
     step = next((u["state_scalars"]["step"]["value"] for u in units if "step" in u["state_scalars"]), None)
     meta = dict(
         format=FORMAT, version=VERSION, world_size=engine.world_size, stage=engine.stage, step=step,
-        torch=torch.__version__, shardlab=shardlab_version,
+        torch=torch.__version__, shardlab=importlib.metadata.version("shardlab"),
         param_dtype=dtype_name(engine.units[0].params[0].dtype),
         optimizer=None if inner is None else dict(
             cls=f"{type(inner).__module__}.{type(inner).__qualname__}",
