@@ -94,7 +94,7 @@ def check_prepare_backward(fn) -> str:
                 raise Hint(f"{u.name} was freed while {left[u.name]} of its {len(u.params)} gradients were still "
                            "to come: its backward needs the full weights until the last one. Free it when "
                            "all are in (on_grads_ready), after reduce_grads",
-                           stronger="on_grads_ready(unit, lambda: (reduce_grads(unit), unit.free()))")
+                           stronger="lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))")
             traced_free()
 
         u.free = guarded_free
@@ -121,7 +121,7 @@ def check_prepare_backward(fn) -> str:
     for u in units:
         if u.is_gathered:
             raise Hint(f"after backward, {u.name} still holds its full weights: free it once its gradients "
-                       "are reduce-scattered", stronger="on_grads_ready(unit, lambda: (reduce_grads(unit), unit.free()))")
+                       "are reduce-scattered", stronger="lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))")
         if u.master.grad is None:
             raise Hint(f"{u.name} has no gradient shard after backward: call reduce_grads(unit) once all its "
                        "gradients are in (on_grads_ready)")

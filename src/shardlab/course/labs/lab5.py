@@ -164,17 +164,17 @@ def _measure(prefetch_next, link: str, steps: int, d: int) -> dict:
         model, optimizer, engine = _stage3(rule, d=d, prefetch=rule is not None)
         waited = [0.0]
         for unit in engine.units:  # time each blocking gather() (a prefetched one only waits)
-            def timed(*, async_op=False, _gather=unit.gather):
+            def timed(*, async_op=False, _gather=unit.gather, _waited=waited):
                 t = time.perf_counter()
                 _gather(async_op=async_op)
                 if not async_op:
-                    waited[0] += time.perf_counter() - t
+                    _waited[0] += time.perf_counter() - t
             unit.gather = timed
         x, y = pieces.batch(rank, 0, d, rows=256)
         _step(model, optimizer, x, y)  # warm-up
         cost = [0.0]
 
-        def book(name, f):
+        def book(name, f, cost=cost):
             if name == "comm" and f["kind"] == "all_gather":
                 cost[0] += link_delay("all_gather", f["numel"], f["dtype"], f["world_size"],
                                       emulator.link.bandwidth_gbps, emulator.link.latency_us)
