@@ -139,6 +139,7 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
 def check_when_ready(fn) -> str:
     """Plug ``fn`` into a ZeRO-2 backward (with the reference reduce) and watch when it fires."""
     run = zero2_backward(fn, pieces.reduce_grads)
+    want = pieces.reference_grad_shards(steps=BACKWARDS)  # every collective before any verdict
     for b, per_unit in enumerate(run["calls"]):
         which = "the first backward" if b == 0 else "the second backward"
         for u in run["units"]:
@@ -161,7 +162,6 @@ def check_when_ready(fn) -> str:
                 raise Hint(f"on_ready never ran for {u.name} in the second backward: your countdown "
                            "stayed at zero. Re-arm it (reset to len(params)) when it fires",
                            stronger="if left[0] == 0: left[0] = len(params); on_ready()")
-    want = pieces.reference_grad_shards(steps=BACKWARDS)
     for u, w in zip(run["units"], want):
         if not pieces.close(run["shards"][u.name], w):
             raise Hint(f"{u.name}: the gradient shards summed over {BACKWARDS} backwards differ from the "

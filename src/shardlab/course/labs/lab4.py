@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from shardlab.course.labs import pieces
 from shardlab.course.labs.checking import Hint, task
-from shardlab.course.labs.pieces import on_grads_ready, reduce_grads  # noqa: F401 - the lab imports them here
+from shardlab.course.labs.pieces import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
+from shardlab.engine import api
 
 CYCLE_FORWARD = ["gather", "forward", "free"]
 CYCLE = ["gather", "forward", "free", "gather", "backward", "reduce_scatter", "free"]
+AFTER_BACKWARD = "lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))"
 
 
 def _at_rest(units) -> str:
@@ -37,10 +39,6 @@ def _must_be_gathered(unit, when: str) -> None:
                    f"before its {when}" + (", free it after" if when == "forward" else ""),
                    stronger="unit.gather()" if when == "forward" else
                    "out.register_hook(lambda grad: unit.gather())  # runs just before the unit's backward")
-
-
-def _cycle(trace, unit, keep) -> list[str]:
-    return trace.of(unit.name, keep)
 
 
 @task("lab4.forward", fn_name="forward")
@@ -68,7 +66,7 @@ def check_forward(fn) -> str:
     if not pieces.close(out.detach(), want.detach()):
         raise Hint("the output differs from the whole model's: return unit.module(x), run on the gathered weights")
     for u in units:
-        seen = _cycle(trace, u, ("gather", "forward", "free"))
+        seen = trace.of(u.name, ("gather", "forward", "free"))
         if seen != CYCLE_FORWARD:
             raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE_FORWARD)}")
     return f"every unit went {' -> '.join(CYCLE_FORWARD)}; output matches the whole model; {_at_rest(units)}"
@@ -77,8 +75,6 @@ def check_forward(fn) -> str:
 @task("lab4.prepare_backward", fn_name="prepare_backward")
 def check_prepare_backward(fn) -> str:
     """Forward unit by unit, ``fn(unit, out)`` after each; then one backward, compared with stage 3."""
-    import shardlab.engine.api as api
-
     rank = dist.get_rank()
     units = pieces.flat_units(pieces.make_model(), sharded=True)
     trace = pieces.Trace(units)
@@ -93,8 +89,7 @@ def check_prepare_backward(fn) -> str:
             if left[u.name] > 0:
                 raise Hint(f"{u.name} was freed while {left[u.name]} of its {len(u.params)} gradients were still "
                            "to come: its backward needs the full weights until the last one. Free it when "
-                           "all are in (on_grads_ready), after reduce_grads",
-                           stronger="lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))")
+                           "all are in (lab4.on_grads_ready), after lab4.reduce_grads", stronger=AFTER_BACKWARD)
             traced_free()
 
         u.free = guarded_free
@@ -117,22 +112,22 @@ def check_prepare_backward(fn) -> str:
             pieces.loss_fn(out, y).backward()
     finally:
         trace.close()
+    reference = pieces.make_model()  # stage 3 on the same data: every collective before any verdict
+    api.parallelize(reference, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
+    pieces.loss_fn(reference(x), y).backward()
 
     for u in units:
         if u.is_gathered:
             raise Hint(f"after backward, {u.name} still holds its full weights: free it once its gradients "
-                       "are reduce-scattered", stronger="lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))")
+                       "are reduce-scattered", stronger=AFTER_BACKWARD)
         if u.master.grad is None:
-            raise Hint(f"{u.name} has no gradient shard after backward: call reduce_grads(unit) once all its "
-                       "gradients are in (on_grads_ready)")
+            raise Hint(f"{u.name} has no gradient shard after backward: call lab4.reduce_grads(unit) once all "
+                       "its gradients are in (lab4.on_grads_ready)", stronger=AFTER_BACKWARD)
     keep = ("gather", "free", "forward", "backward", "reduce_scatter")
     for u in units:
-        seen = _cycle(trace, u, keep)
+        seen = trace.of(u.name, keep)
         if seen != CYCLE:
             raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE)}")
-    reference = pieces.make_model()
-    api.parallelize(reference, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
-    pieces.loss_fn(reference(x), y).backward()
     for u, ref in zip(units, api.engine_of(reference).units):
         if not pieces.close(u.master.grad, ref.master.grad):
             raise Hint(f"{u.name}'s gradient shard differs from ShardLab stage 3's: reduce once, after the "

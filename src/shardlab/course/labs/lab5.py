@@ -117,6 +117,10 @@ def check_prefetch_next(fn) -> str:
     with events.listen(record):
         for step in range(steps):
             _step(model, optimizer, *pieces.batch(rank, step))
+    mine = api.full_state_dict(model)  # every collective before any verdict
+    ref_model, ref_opt, _ = _stage3(prefetch=False)
+    for step in range(steps):
+        _step(ref_model, ref_opt, *pieces.batch(rank, step))
     if most[0] > MOST:
         raise _too_many(most[0])
     n = len(engine.units)
@@ -133,10 +137,6 @@ def check_prefetch_next(fn) -> str:
     if hidden < want:
         raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
                    "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
-    mine = api.full_state_dict(model)
-    ref_model, ref_opt, _ = _stage3(prefetch=False)
-    for step in range(steps):
-        _step(ref_model, ref_opt, *pieces.batch(rank, step))
     for name, t in api.full_state_dict(ref_model).items():
         if not pieces.close(mine[name], t):
             raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
