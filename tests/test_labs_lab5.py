@@ -68,6 +68,10 @@ def prefetch_next_past_the_end(order, unit):
     order[order.index(unit) + 1].gather(async_op=True)
 
 
+def prefetch_next_current(order, unit):
+    unit.gather(async_op=True)  # already gathered: starts nothing
+
+
 def prefetch_next_previous(order, unit):
     i = order.index(unit)
     if i > 0:
@@ -86,9 +90,10 @@ WRONG = {
     "prefetches every remaining unit": ("lab5.prefetch_next", prefetch_next_all_remaining,
                                         "4 units held their full weights at once; at most 2"),
     "waits for the prefetch at once (stage 3)": ("lab5.prefetch_next", prefetch_next_waits,
-                                                 "you waited for the prefetch right away"),
+                                                 "waited for the gather it started"),
     "runs past the last unit": ("lab5.prefetch_next", prefetch_next_past_the_end,
                                 "the last unit in the order has no next one"),
+    "prefetches the current unit": ("lab5.prefetch_next", prefetch_next_current, "started no gather"),
     "prefetches the unit that already ran": ("lab5.prefetch_next", prefetch_next_previous,
                                              "units held their full weights at once"),
 }

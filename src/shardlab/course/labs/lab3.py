@@ -37,9 +37,19 @@ def check_reduce_unit(fn) -> str:
     shard_of = lambda flat, r: flat[r * unit.shard_numel : (r + 1) * unit.shard_numel]  # noqa: E731
     want = shard_of(mean, rank)
 
-    kinds = []
-    with events.listen(lambda name, f: kinds.append(f["kind"]) if name == "comm" else None):
-        got = fn(unit)
+    kinds = []  # collectives issued through shardlab.comm, or dist.all_reduce called directly
+    all_reduce = dist.all_reduce
+
+    def counted_all_reduce(*args, **kwargs):
+        kinds.append("all_reduce")
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
+    try:
+        with events.listen(lambda name, f: kinds.append(f["kind"]) if name == "comm" else None):
+            got = fn(unit)
+    finally:
+        dist.all_reduce = all_reduce
 
     if not torch.is_tensor(got):
         raise Hint(f"reduce_unit returned {type(got).__name__}; return this rank's gradient shard (a tensor)")
@@ -73,16 +83,16 @@ def check_reduce_unit(fn) -> str:
                    f"{len(unit.params)} parameters still holds it. Set it to None once packed: otherwise "
                    "no memory is saved, and the next backward adds to it and reduces it again "
                    "(double reduction)", stronger="unit.set_param_grads(None)  # or p.grad = None for each p")
-    held = got.untyped_storage().nbytes() if got.untyped_storage().nbytes() else 0
+    held = got.untyped_storage().nbytes()
     if held > unit.shard_numel * got.element_size():
         raise Hint(f"your shard is a view into a {held // got.element_size()}-element buffer, which stays "
                    "alive as long as the shard does: reduce-scatter into a fresh tensor of "
                    "unit.shard_numel elements")
-    if "reduce_scatter" not in kinds:
-        raise Hint(f"you used {sorted(set(kinds)) or 'no collective'}, not a reduce-scatter: it sends each "
+    if "all_reduce" in kinds and "reduce_scatter" not in kinds:
+        raise Hint("you all-reduced the whole gradient, then kept a slice: a reduce-scatter sends each "
                    "rank only its shard of the sum, half the traffic of an all-reduce")
     return (f"{unit.name}: this rank's {unit.shard_numel:,} of {unit.padded_numel:,} gradient elements are the "
-            f"mean over {n} ranks, from one reduce-scatter; the full gradient is freed")
+            f"mean over {n} ranks, in memory of their own; the full gradient is freed")
 
 
 def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:

@@ -99,15 +99,21 @@ def check_prefetch_next(fn) -> str:
     """Plug ``fn`` into ShardLab's stage 3; two steps, compared with stage 3 without prefetch."""
     rank = dist.get_rank()
 
+    calls = {"issued": 0, "waited": 0}  # all-gathers started, and waited for, inside the learner's calls
+
     def guarded(order, unit):
+        before = len(log)
         try:
             fn(order, unit)
         except IndexError as e:
             raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
                        "prefetch only if there is one", stronger="if i + 1 < len(order): ...") from None
+        during = [(name, kind) for name, kind, _ in log[before:]]
+        calls["issued"] += during.count(("comm", "all_gather"))
+        calls["waited"] += during.count(("comm_done", "all_gather"))
 
-    model, optimizer, engine = _stage3(guarded)
     log, most = [], [0]
+    model, optimizer, engine = _stage3(guarded)
 
     def record(name, fields):
         most[0] = max(most[0], pieces.gathered(engine.units))
@@ -123,6 +129,12 @@ def check_prefetch_next(fn) -> str:
         _step(ref_model, ref_opt, *pieces.batch(rank, step))
     if most[0] > MOST:
         raise _too_many(most[0])
+    if calls["issued"] == 0:
+        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
+                   "(the current one is gathered already)", stronger="order[i + 1].gather(async_op=True)")
+    if calls["waited"]:
+        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
+                   "gather(async_op=True); the engine waits when that unit is about to run")
     n = len(engine.units)
     gathers = [i for i, (name, kind, _) in enumerate(log) if name == "comm" and kind == "all_gather"]
     if len(gathers) > 2 * n * steps:
