@@ -73,7 +73,7 @@ def _check(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         script = notebook_to_script(path, Path(tmp)) if path.suffix == ".ipynb" else path
         results = run_on_fresh_ranks([(t.id, str(script)) for t in tasks], scale=args.scale,
-                                     report=report)
+                                     timeout=args.timeout, report=report)
     if out:
         out.close()
     return 0 if all(r.passed for r in results) else 1
@@ -83,13 +83,14 @@ def _grade(args) -> int:
     tasks = lab_tasks(args.lab)
     folder = Path(args.dir)
     files = sorted(p for p in folder.iterdir() if p.suffix in (".py", ".ipynb"))
-    limit = STARTUP * args.scale + 1.5 * sum(t.timeout for t in tasks) * args.scale
+    limit = (STARTUP + 1.5 * sum(args.timeout or t.timeout for t in tasks)) * args.scale
     rows = []
     for path in files:
         t0 = time.monotonic()
         with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as log:
             cmd = [sys.executable, "-m", "shardlab.course.labs", "check", args.lab, str(path),
                    "--jsonl", log.name, "--scale", str(args.scale)]
+            cmd += ["--timeout", str(args.timeout)] if args.timeout else []
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True)  # its own group: killed as a whole
             try:
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     for p in (c, g):
         p.add_argument("--scale", type=float, default=float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", 1)),
                        help="multiply every time limit (a loaded machine)")
+        p.add_argument("--timeout", type=float, help="seconds per task (default: each task's own)")
     n = sub.add_parser("generate", help="write labs/*.ipynb from labs/solutions/*.ipynb")
     n.add_argument("--root", default="labs")
     n.add_argument("--check", action="store_true", help="only report stale student notebooks")

@@ -30,9 +30,11 @@ import datetime
 import importlib
 import importlib.util
 import itertools
+import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -165,8 +167,13 @@ def _where(exc: BaseException, files: set[str]) -> str:
     return f" (line {frames[-1].lineno} of {place})"
 
 
+_import_failures: dict[str, dict] = {}  # a file that cannot be imported fails every task at once
+
+
 def _judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
-    """Run ``task.check`` on this rank; the outcome as plain data. Raises nothing but Ctrl-C."""
+    """Run ``task.check`` on this rank; the outcome as plain data. Raises nothing."""
+    if isinstance(source, str) and os.path.abspath(source) in _import_failures:
+        return dict(_import_failures[os.path.abspath(source)])
     files: set[str] = set()
     _set_collective_timeout(limit)
     if alarm:
@@ -180,12 +187,15 @@ def _judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
         except NotImplementedError:
             raise
         except (_TaskTimeout, KeyboardInterrupt):
-            return {"status": "timed out", "import": True, "message": f"importing your file did "
-                    f"not finish within {limit:.0f} s: top-level code that never ends?"}
+            out = {"status": "timed out", "message": f"importing your file did not finish "
+                   f"within {limit:.0f} s: top-level code that never ends?"}
+            _import_failures[os.path.abspath(source)] = out
+            return out
         except BaseException as exc:  # noqa: BLE001 - the file itself is broken
             first = (str(exc).strip().splitlines() or [""])[0]
-            return {"status": "error", "import": True,
-                    "message": f"importing your file raised {type(exc).__name__}: {first}"}
+            out = {"status": "error", "message": f"importing your file raised {type(exc).__name__}: {first}"}
+            _import_failures[os.path.abspath(source)] = out
+            return out
         code = getattr(fn, "__code__", None)
         files.add(code.co_filename if code else "")
         if isinstance(source, str):
@@ -243,53 +253,86 @@ def _outcome(run_id: int) -> dict | None:
     return _outcomes.get(run_id)
 
 
-def _on_fresh_rank(jobs: list, limits: list[float]) -> list[dict]:
-    """Judge ``jobs`` ((task id, source) pairs) in order; stop after one that broke the group."""
+def _on_fresh_rank(jobs: list, limits: list[float], log_dir: str) -> list[dict]:
+    """Judge ``jobs`` ((task id, source) pairs) in order, on this rank of a fresh process group.
+
+    After each job the ranks compare outcomes through the rendezvous store, not a collective
+    (a learner's unfinished collective must not meet it). If the group broke (a deadlock, an
+    endless loop, an exception on some ranks), every rank leaves it and all join a new one, so
+    the next job starts clean in the same processes. Outcomes are also appended to
+    ``log_dir/rank<r>.jsonl``, so that the parent knows how far a run got if a rank crashes.
+    """
     import torch.distributed as dist
 
+    rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    store = dist.distributed_c10d._get_default_store()
     outs = []
-    for (task_id, source), limit in zip(jobs, limits):
+    for k, ((task_id, source), limit) in enumerate(zip(jobs, limits)):
         out = _judge(get_task(task_id), source, limit, alarm=True)
         outs.append(out)
-        if out["status"] in _BROKEN:
+        with open(os.path.join(log_dir, f"rank{rank}.jsonl"), "a") as log:
+            log.write(json.dumps(out) + "\n")
+        keys = [f"lab/{k}/{r}" for r in range(world_size)]
+        store.set(keys[rank], out["status"])
+        store.wait(keys, datetime.timedelta(seconds=limit + 30))  # a dead peer: raise, the parent sees
+        if k + 1 < len(jobs) and any(store.get(key).decode() in _BROKEN for key in keys):
             _drop_group()
-            break
-        try:  # every rank must be done with this task before the next one starts
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, out["status"])
-        except Exception:  # noqa: BLE001 - a peer left the group
-            _drop_group()
-            break
-        if any(s in _BROKEN for s in everyone):
-            break
+            dist.init_process_group(backend, store=dist.PrefixStore(f"lab/{k}/", store), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=limit))
     return outs
+
+
+def _logged(log_dir: str, world_size: int) -> list[list[dict]]:
+    """What each rank logged before its run failed."""
+    logs = []
+    for r in range(world_size):
+        path = os.path.join(log_dir, f"rank{r}.jsonl")
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+        logs.append([json.loads(line) for line in lines])
+    return logs
 
 
 # ---- in the notebook or the grader: one verdict per task -----------------------------------
 
 def _verdict(task: Task, outcomes: list, limit: float) -> Result:
-    """Many ranks' outcomes -> one line: the cause first (an error, a hint), echoes dropped."""
-    outcomes = [o if o is not None else {"status": "timed out", "message": _DEADLOCK.format(limit=limit)}
-                for o in outcomes]
+    """Many ranks' outcomes -> one line: the cause first (an exception, a loop, a deadlock, a
+    hint), echoes (ranks released because a peer failed) dropped."""
+    deadlock = _DEADLOCK.format(limit=limit)
+    outcomes = [o if o is not None else {"status": "timed out", "message": deadlock} for o in outcomes]
     if outcomes and all(o["status"] == "pass" for o in outcomes):
         return Result(task.id, "pass", outcomes[0]["message"])
-    for status in ("error", "fail", NOT_IMPLEMENTED, "timed out", "peer"):
+    waited = [r for r, o in enumerate(outcomes) if o["message"] == deadlock]
+    looped = [r for r, o in enumerate(outcomes) if o["status"] == "timed out" and r not in waited]
+    if not any(o["status"] == "error" for o in outcomes) and not looped and waited:
+        others = [r for r in range(len(outcomes)) if r not in waited]
+        if others:  # name the ranks that went on: they skipped (or added) a collective
+            deadlock += (f" Rank{'s' if len(waited) > 1 else ''} {_list(waited)} waited in a "
+                         f"collective that rank{'s' if len(others) > 1 else ''} {_list(others)} "
+                         "never joined.")
+        return Result(task.id, "timed out", deadlock)
+    for status in ("error", "timed out", "fail", NOT_IMPLEMENTED, "peer"):
         ranks = [r for r, o in enumerate(outcomes) if o["status"] == status]
         if ranks:
             break
     if status == "peer":
-        status, text = "timed out", _DEADLOCK.format(limit=limit)
-        return Result(task.id, status, text)
+        return Result(task.id, "timed out", deadlock)
     groups: dict[str, list[int]] = {}
     for r in ranks:
         groups.setdefault(outcomes[r]["message"], []).append(r)
-    if len(groups) == 1 and len(ranks) == len(outcomes):
+    if len(groups) == 1 and (len(ranks) == len(outcomes) or status == "timed out"):
         text = next(iter(groups))
-    else:
-        text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
-                         for m, rs in groups.items())
+    else:  # the lowest rank's problem in full; the others counted (one line, not a wall)
+        (message, first), *rest = groups.items()
+        text = f"rank{'s' if len(first) > 1 else ''} {_list(first)}: {message}"
+        if rest:
+            others = sorted(r for _, rs in rest for r in rs)
+            text += f" (rank{'s' if len(others) > 1 else ''} {_list(others)}: a similar problem)"
     return Result(task.id, "fail" if status == "error" else status, text,
                   outcomes[ranks[0]].get("stronger"))
+
+
+def _list(ranks) -> str:
+    return ", ".join(map(str, ranks))
 
 
 _run_ids = itertools.count(int(time.time()))
@@ -320,51 +363,45 @@ def run_on_cluster(task_id: str, fn, *, timeout: float | None = None, cluster=No
 
 
 def run_on_fresh_ranks(jobs: list[tuple[str, object]], *, scale: float = 1.0,
-                       world_size: int | None = None, report=None) -> list[Result]:
+                       world_size: int | None = None, timeout: float | None = None,
+                       report=None) -> list[Result]:
     """Judge each (task id, source) job on fresh local ranks; ``source`` is the learner's function
     (importable: the ranks are spawned) or the path of a .py file that defines it.
 
-    Jobs run in one set of ranks while the process group stays healthy; a job that breaks it
-    (a deadlock, a crash) gets its verdict and the rest continue on fresh ranks. ``scale``
-    multiplies every time limit (a loaded machine); ``report(result)``, if given, is called as
-    each verdict arrives (the grader keeps what a submission finished before it hung).
+    All jobs run in one set of ranks (a deadlock or an endless loop costs its time limit, then
+    the ranks join a new group); a rank that crashes ends the set, its job gets a verdict and
+    the rest continue on fresh ranks. ``scale`` multiplies every time limit (a loaded machine),
+    ``timeout`` replaces the tasks' own limits (seconds, before scaling); ``report(result)``,
+    if given, is called as each verdict arrives (the grader keeps what a submission finished
+    before it hung).
     """
-    report = report or (lambda result: None)
     from shardlab.launch import RankError, run_ranks
 
+    report = report or (lambda result: None)
     results: list[Result] = []
     todo = list(jobs)
     while todo:
         ws = world_size or get_task(todo[0][0]).world_size
         batch = list(itertools.takewhile(
             lambda j, ws=ws: (world_size or get_task(j[0]).world_size) == ws, todo))
-        limits = [get_task(t).timeout * scale for t, _ in batch]
-        try:
-            per_rank = run_ranks(_on_fresh_rank, ws, batch, limits,
-                                 timeout=60.0 * scale + 1.5 * sum(limits))
-        except RankError as exc:
-            if len(batch) > 1:  # find the job that crashed: one at a time
-                for job in batch:
-                    results += run_on_fresh_ranks([job], scale=scale, world_size=world_size,
-                                                  report=report)
-                todo = todo[len(batch):]
-                continue
-            results.append(_crashed(get_task(batch[0][0]), exc, limits[0]))
-            report(results[-1])
-            todo = todo[1:]
-            continue
-        done = max(len(o) for o in per_rank)
+        limits = [(timeout or get_task(t).timeout) * scale for t, _ in batch]
+        crash = None
+        with tempfile.TemporaryDirectory() as log_dir:
+            try:
+                per_rank = run_ranks(_on_fresh_rank, ws, batch, limits, log_dir,
+                                     timeout=60.0 * scale + 1.5 * sum(limits))
+            except RankError as exc:  # a rank died or hung: keep the jobs every rank finished
+                crash, per_rank = exc, _logged(log_dir, ws)
+        done = min(len(o) for o in per_rank) if crash else max(len(o) for o in per_rank)
         for i in range(done):
             outcomes = [o[i] if i < len(o) else None for o in per_rank]
             results.append(_verdict(get_task(batch[i][0]), outcomes, limits[i]))
             report(results[-1])
+        if crash is not None and done < len(batch):  # the job the ranks were on when it happened
+            results.append(_crashed(get_task(batch[done][0]), crash, limits[done]))
+            report(results[-1])
+            done += 1
         todo = todo[done:]
-        if any(o and o.get("import") for o in outcomes):  # the file cannot be imported: the same
-            broken = [j for j in todo if j[1] == batch[done - 1][1]]  # verdict for its other tasks
-            for task_id, _ in broken:
-                results.append(dataclasses.replace(results[-1], task=task_id))
-                report(results[-1])
-            todo = [j for j in todo if j not in broken]
     return results
 
 

@@ -30,6 +30,12 @@ def _same(a, b) -> bool:
     return torch.is_tensor(a) and a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5)
 
 
+def _show(t: torch.Tensor, most: int = 8) -> str:
+    """A tensor's values for a hint: rounded, and cut after ``most`` of them."""
+    values = [round(v, 3) for v in t.detach().reshape(-1).float().tolist()]
+    return str(values[:most])[:-1] + (", ...]" if len(values) > most else "]")
+
+
 def _expect_tensor(value, what: str) -> torch.Tensor:
     if not torch.is_tensor(value):
         raise Hint(f"{what} should be a tensor, but your function returned {type(value).__name__}: "
@@ -101,8 +107,8 @@ def check_pad_and_split(fn) -> str:
             raise Hint(f"your shards hold the right numbers in the wrong order: {ORDER}",
                        "pad, then .chunk(world_size): chunk r is rank r's shard")
         if not torch.equal(got, want):
-            raise Hint(f"for {numel} elements on {n} ranks, shard 0 is {got[0].tolist()}, "
-                       f"expected {want[0].tolist()}")
+            raise Hint(f"for {numel} elements on {n} ranks, shard 0 is {_show(got[0])}, "
+                       f"expected {_show(want[0])}")
     return "equal, zero-padded shards in rank order: 10, 12, 7 and 1 elements split over N = 1, 3, 4 and 5"
 
 
@@ -127,7 +133,7 @@ def check_gather_full(fn) -> str:
             torch.nn.functional.pad(got.reshape(-1), (0, padded.numel() - got.numel())), padded, n):
         raise Hint(f"the pieces are in the wrong order: all-gather puts rank r's shard at "
                    f"[r*S, (r+1)*S); {ORDER}")
-    raise Hint(f"expected {full.tolist()}, got {got.reshape(-1).tolist()}")
+    raise Hint(f"expected {_show(full)}, got {_show(got)}")
 
 
 def _grads(rank: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +164,7 @@ def check_mean_grad_shard(fn) -> str:
         for r in range(n):
             if r != rank and (_same(got, mean[r * shard_len:(r + 1) * shard_len])):
                 raise Hint(f"rank {rank} got rank {r}'s shard: {ORDER}")
-    raise Hint(f"expected this rank's mean gradient shard {want.tolist()}, got {got.reshape(-1).tolist()}")
+    raise Hint(f"expected this rank's mean gradient shard {_show(want)}, got {_show(got)}")
 
 
 @task("lab1.all_reduce_mean", fn_name="all_reduce_mean")
@@ -177,8 +183,7 @@ def check_all_reduce_mean(fn) -> str:
         raise Hint(f"your gradient has {got.numel()} elements, not {numel}: drop the padding",
                    "return full[:grad.numel()]")
     if not _same(got, mean):
-        raise Hint(f"expected the mean gradient {[round(x, 3) for x in mean.tolist()]}, got "
-                   f"{[round(x, 3) for x in got.reshape(-1).tolist()]}")
+        raise Hint(f"expected the mean gradient {_show(mean)}, got {_show(got)}")
     if sorted(kinds) != ["all_gather", "reduce_scatter"]:
         raise Hint(f"the mean is right, but your collectives were {kinds or 'none that comm saw'}: "
                    "use comm.reduce_scatter once, then comm.all_gather once")
