@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from shardlab.course.labs import pieces
 from shardlab.course.labs.checking import Hint, task
-from shardlab.engine import events
+from shardlab.engine import comm, events
 
 BACKWARDS = 2  # two micro-batches: the second backward is where re-arming (and double reduction) shows
 
@@ -51,6 +51,8 @@ def check_reduce_unit(fn) -> str:
     finally:
         dist.all_reduce = all_reduce
 
+    # what every rank returned, seen by every rank (bookkeeping, before any verdict)
+    returned = comm.gather_lists([got.detach().reshape(-1).float().clone() if torch.is_tensor(got) else None])
     if not torch.is_tensor(got):
         raise Hint(f"reduce_unit returned {type(got).__name__}; return this rank's gradient shard (a tensor)")
     got = got.detach().reshape(-1)
@@ -70,6 +72,11 @@ def check_reduce_unit(fn) -> str:
         raise Hint(f"your gradient shard is {n}x too small: you divided by the world size twice")
     if pieces.close(got, shard_of(everyone[rank], rank)):
         raise Hint("your shard holds only this rank's own gradient: reduce (SUM) across ranks first")
+    shards_everywhere = [t is not None and t.shape == got.shape and pieces.close(t, shard_of(mean, 0))
+                         for t in returned]
+    if n > 1 and all(shards_everywhere):
+        raise Hint("every rank holds rank 0's shard: rank r keeps elements "
+                   "[r * shard_numel, (r + 1) * shard_numel) of the flat gradient")
     for r in range(n):
         if r != rank and pieces.close(got, shard_of(mean, r)):
             raise Hint(f"rank {rank} holds rank {r}'s shard: rank r keeps elements "
