@@ -127,6 +127,7 @@ def check_prefetch_next(fn) -> str:
     ref_model, ref_opt, _ = _stage3(prefetch=False)
     for step in range(steps):
         _step(ref_model, ref_opt, *pieces.batch(rank, step))
+    reference = api.full_state_dict(ref_model)
     if most[0] > MOST:
         raise _too_many(most[0])
     if calls["issued"] == 0:
@@ -149,7 +150,7 @@ def check_prefetch_next(fn) -> str:
     if hidden < want:
         raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
                    "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
-    for name, t in api.full_state_dict(ref_model).items():
+    for name, t in reference.items():
         if not pieces.close(mine[name], t):
             raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
     return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
