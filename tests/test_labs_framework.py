@@ -186,3 +186,9 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
         assert "✓ lab1.gather_full" in capsys.readouterr().out
     finally:
         cluster.stop()
+
+
+def test_generate_check_finds_no_stale_student_notebook():
+    from shardlab.course.labs.__main__ import main
+
+    assert main(["generate", "--check", "--root", str(ROOT / "labs")]) == 0

@@ -25,10 +25,12 @@ the process group so that its peers are released at once, and the group is rebui
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -268,7 +270,8 @@ def _on_fresh_rank(jobs: list, limits: list[float], log_dir: str) -> list[dict]:
     store = dist.distributed_c10d._get_default_store()
     outs = []
     for k, ((task_id, source), limit) in enumerate(zip(jobs, limits)):
-        out = _judge(get_task(task_id), source, limit, alarm=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # a learner's prints: not in the report
+            out = _judge(get_task(task_id), source, limit, alarm=True)
         outs.append(out)
         with open(os.path.join(log_dir, f"rank{rank}.jsonl"), "a") as log:
             log.write(json.dumps(out) + "\n")
@@ -410,6 +413,6 @@ def _crashed(task: Task, exc: Exception, limit: float) -> Result:
     if all("no answer within" in t for t in texts):
         return Result(task.id, "timed out", _DEADLOCK.format(limit=limit))
     last = next((t.strip().splitlines()[-1] for t in texts if "no answer" not in t), str(exc))
-    return Result(task.id, "fail", f"your ranks crashed ({last}): gloo aborts a rank when ranks "
-                  "call different collectives; did every rank call the same collectives in the "
-                  "same order?")
+    why = ": gloo aborts a rank when ranks call different collectives; did every rank call the " \
+          "same collectives in the same order?" if "exit code -6" in last else ""
+    return Result(task.id, "fail", f"your ranks crashed ({last}){why}")

@@ -129,10 +129,11 @@ def check_gather_full(fn) -> str:
         raise Hint("you returned one shard: all-gather every rank's shard into a buffer of "
                    "world_size x shard elements", "full = torch.empty(world_size * shard.numel()); "
                    "comm.all_gather(full, shard)")
-    if got.numel() in (numel, padded.numel()) and _permuted_blocks(
-            torch.nn.functional.pad(got.reshape(-1), (0, padded.numel() - got.numel())), padded, n):
-        raise Hint(f"the pieces are in the wrong order: all-gather puts rank r's shard at "
-                   f"[r*S, (r+1)*S); {ORDER}")
+    if got.numel() in (numel, padded.numel()) and set(got.reshape(-1).tolist()) <= set(padded.tolist()):
+        # the right values (they are distinct), in the wrong places
+        raise Hint("the pieces are in the wrong order: all-gather already puts rank r's shard at "
+                   "[r*S, (r+1)*S) of the buffer; keep that order, only drop the padding",
+                   "return full[:numel], with full filled by comm.all_gather(full, shard)")
     raise Hint(f"expected {_show(full)}, got {_show(got)}")
 
 
@@ -163,7 +164,8 @@ def check_mean_grad_shard(fn) -> str:
                        "shard over all ranks")
         for r in range(n):
             if r != rank and (_same(got, mean[r * shard_len:(r + 1) * shard_len])):
-                raise Hint(f"rank {rank} got rank {r}'s shard: {ORDER}")
+                raise Hint(f"this rank got rank {r}'s shard of the mean: reduce-scatter hands rank r "
+                           "the r-th shard of the sum; return that one")
     raise Hint(f"expected this rank's mean gradient shard {_show(want)}, got {_show(got)}")
 
 

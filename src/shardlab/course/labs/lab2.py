@@ -105,7 +105,7 @@ def check_shard_optimizer(fn) -> str:
         starts = [s for s in range(flat.numel() - shard_numel + 1)
                   if torch.equal(flat[s:s + shard_numel], master.detach())]
         where = f"elements [{starts[0]}:{starts[0] + shard_numel}]" if starts else "other values"
-        raise Hint(f"rank {rank} steps the wrong shard: its master holds {where} of the buffer, not "
+        raise Hint(f"this rank steps the wrong shard: its master holds {where} of the buffer, not "
                    f"[{rank * shard_numel}:{(rank + 1) * shard_numel}]. Rank r owns the r-th "
                    "contiguous shard", FULL_STRONGER)
     got = _measure(master, optimizer)
