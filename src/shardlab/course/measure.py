@@ -67,39 +67,62 @@ def _link(link):
     return dict(link)
 
 
-def time_steps(runs: dict, batches: list, *, warmup: int = 1, link=None, overlap: bool = True) -> dict:
-    """Seconds of each step of each run on this rank, runs interleaved in rotated rounds.
-
-    ``runs`` maps a name to ``(model, optimizer)``; every round steps each of them once on the
-    same batch, each step after a barrier. With ``link`` every step runs under
-    :func:`shardlab.emulate_link`. Returns ``{name: {"step_s": [...], "link_s": [...]}}``
-    (``link_s``: what the emulated link needed in that step), warm-up rounds left out.
-    """
-    names = list(runs)
+def _timed_step(model, optimizer, x, y, link, overlap) -> tuple[float, float, float]:
+    """(seconds, link time, waited) of one step, under ``link`` if one is given."""
     spec = _link(link)
-    out = {n: {"step_s": [], "link_s": []} for n in names}
+    t0 = time.perf_counter()
+    if spec is None:
+        train_step(model, optimizer, x, y)
+        return time.perf_counter() - t0, 0.0, 0.0
+    with emulate_link(**spec, overlap=overlap) as em:
+        train_step(model, optimizer, x, y)
+    return time.perf_counter() - t0, em.link_time_s, em.slept_s
+
+
+def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overlap: bool = True) -> dict:
+    """Seconds of each step of each run under each link, all interleaved in rotated rounds.
+
+    ``runs`` maps a name to ``(model, optimizer)``, ``links`` a label to a link (None for the
+    loopback, a preset name of :data:`LINKS`, or ``{"bandwidth_gbps": .., "latency_us": ..}``).
+    Every round steps each (link, run) pair once on the same batch, each step after a barrier,
+    so a slow moment of the machine hits all pairs alike. Returns
+    ``{label: {name: {"step_s": [...], "link_s": [...], "waited_s": [...]}}}``: ``link_s`` is
+    what the emulated link needed in that step, ``waited_s`` the part compute did not hide.
+    """
+    pairs = [(label, name) for label in links for name in runs]
+    out = {label: {name: {"step_s": [], "link_s": [], "waited_s": []} for name in runs} for label in links}
     for i, (x, y) in enumerate(batches):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift = i % len(pairs)
+        for label, name in pairs[shift:] + pairs[:shift]:
             dist.barrier()
-            t0 = time.perf_counter()
-            if spec is None:
-                train_step(*runs[name], x, y)
-                link_s = 0.0
-            else:
-                with emulate_link(**spec, overlap=overlap) as em:
-                    train_step(*runs[name], x, y)
-                link_s = em.link_time_s
-            seconds = time.perf_counter() - t0
+            seconds, link_s, waited = _timed_step(*runs[name], x, y, links[label], overlap)
             if i >= warmup:
-                out[name]["step_s"].append(seconds)
-                out[name]["link_s"].append(link_s)
+                row = out[label][name]
+                row["step_s"].append(seconds)
+                row["link_s"].append(link_s)
+                row["waited_s"].append(waited)
     return out
 
 
+def time_steps(runs: dict, batches: list, *, warmup: int = 1, link=None, overlap: bool = True) -> dict:
+    """:func:`time_links` for one link: ``{name: {"step_s": [...], "link_s": [...], "waited_s": [...]}}``."""
+    return time_links(runs, batches, {"link": link}, warmup=warmup, overlap=overlap)["link"]
+
+
+def slowest(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the slowest rank's seconds: a step ends when its last rank does."""
+    return [max(step) for step in zip(*per_rank, strict=True)]
+
+
 def slowest_median(per_rank: list[list[float]]) -> float:
-    """Median over steps of the slowest rank's seconds (a step ends when its last rank does)."""
-    return statistics.median(max(step) for step in zip(*per_rank, strict=True))
+    """Median over steps of the slowest rank's seconds."""
+    return statistics.median(slowest(per_rank))
+
+
+def added_median(per_rank: list[list[float]], baseline: list[list[float]]) -> float:
+    """Median over rounds of (this step - the same round's baseline step), slowest rank each:
+    paired by round, so a slow moment of the machine cancels out."""
+    return statistics.median(a - b for a, b in zip(slowest(per_rank), slowest(baseline), strict=True))
 
 
 def predicted_link_s(records: list[dict], world_size: int, link) -> float:
