@@ -138,3 +138,81 @@ def predicted_link_s(records: list[dict], world_size: int, link) -> float:
     bandwidth = spec.get("bandwidth_gbps", preset.bandwidth_gbps if preset else None)
     latency = spec.get("latency_us", preset.latency_us if preset else 0.0)
     return sum(link_delay(r["kind"], r["numel"], r["dtype"], world_size, bandwidth, latency) for r in records)
+
+
+def stage_memory(stage: int, size: str = "small", batch_size: int = 4, *, precision=None, device=None) -> dict:
+    """Bytes one rank holds for ``stage``: by category after backward and at rest, and the peak.
+
+    One warm-up step, then a measured one. ``after_backward`` is ``memory_report`` before the
+    optimizer step (gradients alive), ``rest`` after ``zero_grad``, ``peak`` the largest tally of
+    ``track_memory`` over the step (activations and gathered units included). On CUDA also the
+    allocator's own counts, above what was allocated before the model was built:
+    ``cuda_rest`` (``memory_allocated``) and ``cuda_peak`` (``max_memory_allocated``).
+    """
+    from shardlab.engine.api import engine_of
+    from shardlab.instruments.memory import memory_report, track_memory
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+    model, optimizer = build(size, stage, device=device, mixed_precision=precision)
+    (x0, y0), (x, y) = data(model, batch_size, 2, device=device)
+    train_step(model, optimizer, x0, y0)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with track_memory(model, optimizer) as mem:
+        models.lm_loss(model(x), y).backward()
+        after_backward = dict(memory_report(model, optimizer))
+        optimizer.step()
+    optimizer.zero_grad()
+    engine = engine_of(model)
+    out = dict(stage=stage, world_size=engine.world_size, psi=sum(u.numel for u in engine.units),
+               padded=sum(u.padded_numel for u in engine.units), after_backward=after_backward,
+               rest=dict(memory_report(model, optimizer)), peak=mem.peak["total"],
+               peak_parts=dict(mem.peak["bytes"]), device=str(device or "cpu"))
+    if cuda:
+        torch.cuda.synchronize(device)
+        out.update(cuda_rest=torch.cuda.memory_allocated(device) - base,
+                   cuda_peak=torch.cuda.max_memory_allocated(device) - base,
+                   gpu=torch.cuda.get_device_name(device))
+    return out
+
+
+def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[dict]:
+    """Seconds of one all-gather, reduce-scatter and all-reduce of each FULL buffer size (MB).
+
+    Every call goes through :mod:`shardlab.engine.comm`; each size is warmed up twice, and the
+    time is the slowest rank's mean over ``iters`` (a collective ends when its last rank does).
+    ``workshop/gpu_check.py`` and notebook 06 feed these to :func:`~shardlab.instruments.link.fit_link`.
+    """
+    from shardlab.engine import comm
+
+    world = dist.get_world_size()
+    rows = []
+    for mb in sizes_mb:
+        numel = int(mb * 2**20) // 4 // world * world  # fp32, divisible into N shards
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // world, device=device)
+        ops = {"all_gather": lambda f=full, s=shard: comm.all_gather(f, s),
+               "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter(s, f),
+               "all_reduce": lambda f=full: comm.all_reduce(f)}
+        for kind, op in ops.items():
+            for _ in range(2):
+                op()
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                op()
+            _sync(device)
+            worst = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # bookkeeping, not traffic: comm only sums
+            rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=worst.item(), world_size=world))
+    return rows
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
