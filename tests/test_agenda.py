@@ -83,3 +83,14 @@ def test_timings_say_when_and_where():
     for path, row in TIMINGS.items():
         assert (ROOT / path).exists(), f"timings.json has {path}, which is gone"
         assert row["seconds"] > 0 and row["date"] and "core" in row["machine"] and "nbval" in row["command"]
+
+
+def test_every_notebook_has_instructor_notes():
+    notes = ROOT / "workshop" / "notes"
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        assert (notes / f"{nb.stem}.md").is_file(), f"workshop/notes/{nb.stem}.md is missing"
+    assert (notes / "labs.md").is_file()
+    index = (notes / "README.md").read_text()
+    for note in notes.glob("*.md"):
+        if note.name != "README.md":
+            assert f"({note.name})" in index, f"notes/README.md does not link {note.name}"
