@@ -23,12 +23,15 @@ import datetime
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardlab.course import gpu_results, measure
 from shardlab.instruments.link import fit_link
+
+HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.record is not None:
             if cuda:
                 where = gpu_results.record("bandwidth", rows, command=" ".join(["torchrun ...", *sys.argv]),
-                                           path=args.record or None, fit=fits, world_size=world)
+                                           path=args.record or HERE / "recorded" / "gpu_results.json",
+                                           fit=fits, world_size=world)
                 print(f"recorded in {where}")
             else:
                 print("--record: nothing recorded, this was a CPU dry run (only GPU runs are recorded)")
