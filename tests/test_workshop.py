@@ -3,7 +3,6 @@ what the scripts would start, so a broken flag or a wrong tunnel command fails h
 day. (The real run on a cluster is step 1 of workshop/README.md.)"""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -52,10 +51,10 @@ def test_train_sbatch_starts_one_torchrun_per_node_meeting_at_the_first(tmp_path
 
 
 def test_jupyter_sbatch_prints_the_tunnel_and_starts_jupyter_on_this_node(tmp_path):
-    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=fake_site(tmp_path),
-                         capture_output=True, text=True, timeout=120)
+    env = {**fake_site(tmp_path), "SLURMD_NODENAME": "gpu-node-17"}
+    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    node, port = socket.gethostname().split(".")[0], 8800 + 4242 % 1000
+    node, port = "gpu-node-17", 8800 + 4242 % 1000
     assert f"ssh -N -L {port}:{node}:{port} learner@login1" in out.stdout
     assert f"http://localhost:{port}/lab?token=" in out.stdout
     token = out.stdout.split("token=")[1].split()[0]
