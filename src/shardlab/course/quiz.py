@@ -168,7 +168,7 @@ def check(question_id: str, choice) -> Feedback:
             value = float(str(choice).replace(q.unit, "").strip()) if isinstance(choice, str) else float(choice)
         except (TypeError, ValueError):
             raise ValueError(f"{q.id} wants a number in {q.unit}, e.g. quiz.answer({q.id!r}, 14); got {choice!r}") from None
-        right = abs(value - q.answer) <= q.tolerance
+        right = abs(value - q.answer) <= q.tolerance * (1 + 1e-9) + 1e-12  # "at the edge" counts, floats aside
         side = "" if right else q.feedback.get("low" if value < q.answer else "high", "")
         detail = " ".join(filter(None, [side, q.explanation]))
         return Feedback(right, f"{'Right' if right else 'Not quite'}: {value:g} {q.unit}. {detail}")
