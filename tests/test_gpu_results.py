@@ -38,8 +38,8 @@ def test_record_writes_hardware_date_command_and_renders_as_recorded(tmp_path):
     path = tmp_path / "recorded" / "gpu_results.json"
     gpu_results.record("bandwidth", model_rows(), command="torchrun gpu_check.py --record",
                        hardware_info=HW, path=path, fit={"all_gather": {"bandwidth_gbps": 800.0, "latency_us": 5.0}})
-    mem = [dict(stage=s, rank=0, cuda_rest=1.1e6 * (4 - s), formula_rest=1e6 * (4 - s), cuda_peak=3e6, tally_peak=2.5e6)
-           for s in range(4)]
+    mem = [dict(stage=s, rank=0, cuda_rest=1.1e6 * (4 - s), tally_rest=1.05e6 * (4 - s), formula_rest=1e6 * (4 - s),
+                cuda_peak=3e6, tally_peak=2.5e6) for s in range(4)]
     gpu_results.record("memory", mem, command="notebooks/06_real_gpus.ipynb", hardware_info=HW, path=path)
     data = json.loads(path.read_text())
     assert [r["kind"] for r in data["runs"]] == ["bandwidth", "memory"]

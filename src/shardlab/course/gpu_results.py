@@ -100,11 +100,14 @@ def _bandwidth_table(run: dict) -> list[str]:
 
 
 def _memory_table(run: dict) -> list[str]:
-    lines = [f"{'stage':>5}{'rank':>5}{'rest (MB)':>11}{'formula':>9}{'ratio':>7}{'peak (MB)':>11}{'tally':>9}{'ratio':>7}"]
+    """Per stage and rank: CUDA's bytes at rest beside the tensor tally and the formula, and
+    CUDA's peak beside the tally's peak, each with the ratio."""
+    lines = [f"{'stage':>5}{'rank':>5}{'cuda rest':>11}{'tally':>8}{'formula':>9}{'ratio':>7}"
+             f"{'cuda peak':>11}{'tally':>8}{'ratio':>7}   (MB)"]
     for r in run["rows"]:
-        lines.append(f"{r['stage']:>5}{r['rank']:>5}{r['cuda_rest'] / 1e6:>11.2f}{r['formula_rest'] / 1e6:>9.2f}"
-                     f"{r['cuda_rest'] / r['formula_rest']:>7.2f}{r['cuda_peak'] / 1e6:>11.2f}"
-                     f"{r['tally_peak'] / 1e6:>9.2f}{r['cuda_peak'] / r['tally_peak']:>7.2f}")
+        lines.append(f"{r['stage']:>5}{r['rank']:>5}{r['cuda_rest'] / 1e6:>11.2f}{r['tally_rest'] / 1e6:>8.2f}"
+                     f"{r['formula_rest'] / 1e6:>9.2f}{r['cuda_rest'] / r['formula_rest']:>7.2f}"
+                     f"{r['cuda_peak'] / 1e6:>11.2f}{r['tally_peak'] / 1e6:>8.2f}{r['cuda_peak'] / r['tally_peak']:>7.2f}")
     return lines
 
 
