@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +178,9 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
         out = capsys.readouterr().out
         assert "✗ lab1.gather_full: timed out after" in out, out
         assert "did every rank call the same collectives in the same order?" in out, out
-        assert "waited in a collective that rank 3 never joined" in out, out
+        # rank 3 is named among those that never joined (on a loaded machine a slow rank may be
+        # named beside it: it had not reached the collective when the others gave up)
+        assert re.search(r"waited in a collective that ranks? [0-9, and]*3 never joined", out), out
         assert check("lab1.gather_full", ns["raises"]) is False
         out = capsys.readouterr().out
         assert "your function raised RuntimeError" in out and "line 19 of your cell" in out, out
