@@ -1,6 +1,7 @@
 # The two commands of the README's quick start:
 #   make lab    create .venv if needed, then open the course in JupyterLab
-#   make test   create .venv if needed, then run the test suite and every notebook under nbval
+#   make test   create .venv if needed, then run the test suite and every notebook and lab
+#               (solutions and student versions) under nbval
 # Both are idempotent: the environment is rebuilt only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -29,7 +30,7 @@ lab: $(VENV)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) notebooks/00_start_here.ipynb
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=120
+	$(BIN)/python -m pytest tests notebooks labs --nbval-lax --nbval-cell-timeout=120
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -111,6 +111,22 @@ def test_run_returns_one_result_per_rank_for_notebook_functions(cluster, capsys)
     assert per_run < 1.0
 
 
+def test_a_notebook_function_passed_as_an_argument_travels_with_what_it_uses(cluster):
+    ns = notebook("""
+        import math
+
+        def helper(x):
+            return math.sqrt(x)
+
+        def learner(x):
+            return helper(x) + rank
+
+        def runner(fn, x):
+            return fn(x)
+        """)
+    assert cluster.run(ns["runner"], ns["learner"], 16.0) == [4.0, 5.0, 6.0, 7.0]
+
+
 def test_notebook_classes_travel_too(cluster):
     """A notebook nn.Module whose __init__ calls super() (ipyparallel alone recurses forever)."""
     ns = notebook("""
@@ -277,6 +293,7 @@ def test_a_dead_rank_is_reported_and_the_cluster_restarts(cluster, capsys):
     finally:
         cluster.quiet = True
     assert "restarting the ranks" in capsys.readouterr().out
+    assert shardlab.cluster.current() is cluster  # %%ranks still finds it after the restart
     assert not set(old_pids) & set(cluster.pids)
     assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 

@@ -3,11 +3,17 @@
     torchrun --standalone --nproc-per-node $(nvidia-smi -L | wc -l) workshop/gpu_check.py
     srun --ntasks-per-node 1 torchrun ... workshop/gpu_check.py      # across nodes (see train.sbatch)
 
-It prints, from rank 0, one line per rank (host, GPU, memory total and free), then NCCL
-all-reduce bandwidth for 1 MB to 256 MB messages. ``busbw`` is the number nccl-tests reports:
-algorithm bandwidth x 2(N-1)/N, comparable across world sizes; expect a good fraction of the
-link's speed (NVLink: hundreds of GB/s; PCIe: ~10-25 GB/s; between nodes: the network's).
-Without GPUs it runs on gloo over CPU, as a dry run of the script itself.
+It prints, from rank 0, one line per rank (host, GPU, memory total and free), then the time
+of NCCL all-gather, reduce-scatter and all-reduce for 1 MB to 256 MB buffers, through the same
+``shardlab.engine.comm`` the engine uses. ``busbw`` is the number nccl-tests reports (algorithm
+bandwidth x (N-1)/N, x 2(N-1)/N for all-reduce), comparable across world sizes; expect a good
+fraction of the link's speed (NVLink: hundreds of GB/s; PCIe: ~10-25 GB/s; between nodes: the
+network's). Then the α-β fit of each collective (``shardlab.instruments.link.fit_link``): the
+latency and bandwidth notebook 06 feeds into the ring model.
+
+``--record`` writes all of it to workshop/recorded/gpu_results.json (hardware, date, command),
+which notebook 06 shows as "recorded". Without GPUs it runs on gloo over CPU, as a dry run of
+the script itself, and records nothing.
 """
 
 from __future__ import annotations
@@ -17,17 +23,24 @@ import datetime
 import os
 import socket
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shardlab.course import gpu_results, measure
+from shardlab.instruments.link import fit_link
+
+HERE = Path(__file__).resolve().parent
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="NCCL all-reduce bandwidth and GPU memory per rank")
-    p.add_argument("--sizes-mb", default="1,16,64,256", help="message sizes in MB (default 1,16,64,256)")
+    p.add_argument("--sizes-mb", default="1,16,64,256", help="full buffer sizes in MB (default 1,16,64,256)")
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (default 10)")
     p.add_argument("--timeout", type=float, default=120, help="seconds before a stuck collective fails")
+    p.add_argument("--record", nargs="?", const="", default=None, metavar="PATH",
+                   help="write the results to workshop/recorded/gpu_results.json (or PATH) on a GPU run")
     args = p.parse_args(argv)
 
     if "RANK" not in os.environ:
@@ -59,28 +72,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{world} ranks, backend {dist.get_backend()}, torch {torch.__version__}"
               + (f", NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if cuda else ""))
         print("\n".join(rows))
-        print(f"\n{'size':>8}  {'time':>9}  {'algbw':>10}  {'busbw':>10}")
 
-    for mb in (int(s) for s in args.sizes_mb.split(",")):
-        x = torch.ones(mb * 2**20 // 4, device=device)  # fp32
-        for _ in range(2):  # warm up: connections, buffers
-            dist.all_reduce(x)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            dist.all_reduce(x)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - t0) / args.iters
-        worst = torch.tensor([seconds], device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        algbw = x.numel() * 4 / worst.item() / 1e9
-        if rank == 0:
-            print(f"{mb:>6}MB  {worst.item() * 1e3:>7.2f}ms  {algbw:>6.2f} GB/s  "
-                  f"{algbw * 2 * (world - 1) / world:>6.2f} GB/s")
-        del x
+    sizes = [int(mb) for mb in args.sizes_mb.split(",")]
+    rows = measure.collective_times(sizes, iters=args.iters, device=device)
+    fits = {}
+    for row in rows:
+        algbw = row["size_bytes"] / row["seconds"] / 1e9
+        row["busbw_gbs"] = algbw * (world - 1) / world * (2 if row["kind"] == "all_reduce" else 1)
+    if world > 1:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            mine = [r for r in rows if r["kind"] == kind]
+            try:
+                fit = fit_link(kind, [r["size_bytes"] for r in mine], [r["seconds"] for r in mine], world)
+            except ValueError as e:  # times that do not grow with size: too noisy to fit
+                if rank == 0:
+                    print(f"no α-β fit for {kind}: {e}")
+                continue
+            fits[kind] = {"bandwidth_gbps": fit.bandwidth_gbps, "latency_us": fit.latency_us}
+    if rank == 0:
+        print(f"\n{'collective':16}{'size':>8}  {'time':>9}  {'busbw':>10}")
+        for r in rows:
+            print(f"{r['kind']:16}{r['size_bytes'] // 2**20:>6}MB  {r['seconds'] * 1e3:>7.2f}ms  {r['busbw_gbs']:>6.2f} GB/s")
+        for kind, fit in fits.items():
+            print(f"α-β fit, {kind}: β = {fit['bandwidth_gbps']:.1f} Gbit/s, α = {fit['latency_us']:.1f} µs")
+        if args.record is not None:
+            if cuda:
+                where = gpu_results.record("bandwidth", rows, command=" ".join(["torchrun ...", *sys.argv]),
+                                           path=args.record or HERE / "recorded" / "gpu_results.json",
+                                           fit=fits, world_size=world)
+                print(f"recorded in {where}")
+            else:
+                print("--record: nothing recorded, this was a CPU dry run (only GPU runs are recorded)")
 
     ok = torch.tensor([1.0], device=device)
     dist.all_reduce(ok)  # sum of ones: every rank answered

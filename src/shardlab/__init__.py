@@ -52,6 +52,7 @@ _EXPORTS = {
     "engine_of": "shardlab.engine.api",
     "save_checkpoint": "shardlab.engine.checkpoint",
     "load_checkpoint": "shardlab.engine.checkpoint",
+    "CheckpointError": "shardlab.engine.checkpoint",
 }
 
 #: Modules a learner reaches from the top: ``from shardlab import comm``.

@@ -168,12 +168,17 @@ class Cluster(_Runs):
 
     def restart(self) -> Cluster:
         """Stop every engine and start fresh ones (variables on the ranks are lost)."""
+        global _current
+        was_current = _current is self  # stop() forgets the current cluster; %%ranks needs it back
         quiet, self.quiet = self.quiet, True
         try:
             self.stop()
         finally:
             self.quiet = quiet
-        return self.start()
+        self.start()
+        if was_current:
+            _current = self
+        return self
 
     def stop(self) -> None:
         """Stop the engines and the controller, and make sure every one of their processes is gone."""
@@ -223,12 +228,17 @@ class Cluster(_Runs):
 
         ``fn`` may be defined in the notebook; it sees the rank's variables (``rank``,
         ``world_size``, ``dist``, ``torch``, and whatever %%ranks cells defined), plus the
-        imports and notebook functions it uses. Its printed output is shown labelled by rank.
+        imports and notebook functions it uses (and those that functions passed as arguments use).
+        Its printed output is shown labelled by rank.
         Raises :class:`ClusterError` naming the failed ranks, with their tracebacks.
         """
         if not callable(fn):
             raise TypeError(f"run expects a function, got {type(fn).__name__}")
         imports, defs = _references(fn)
+        for arg in (*args, *kwargs.values()):  # a function passed along (a lab's check gets the
+            if callable(arg):                  # learner's) needs what it uses, too
+                more_imports, more_defs = _references(arg)
+                imports, defs = {**more_imports, **imports}, {**more_defs, **defs}
         values, error = self._submit("call", fn, args, kwargs, imports, defs, timeout)
         if error is not None:
             raise error  # raised here, so that the notebook's traceback ends at cluster.run

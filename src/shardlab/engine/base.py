@@ -12,8 +12,8 @@ only these public methods; everything else lives here, once:
   ``pre_backward(unit)``, ``post_backward(unit)``, ``backward_done()``: the points of a step
   where stage 3 gathers and frees (stages 0-2 keep the base's versions).
 
-and sets class attributes instead of testing stage numbers: ``shards_optimizer_state``,
-``shards_grads``, ``shards_params`` (the paper's P_os, P_g, P_p), ``reduce_as_ready``.
+and sets class attributes instead of testing stage numbers: ``shards_optimizer_state`` and
+``shards_params`` (the paper's P_os and P_p), ``reduce_as_ready`` (ZeRO-2's P_g: see below).
 
 Every rank issues the same collectives in the same order, whatever its control flow: each
 unit's reduction starts in one fixed order (the units in reverse registration order, the root
@@ -62,7 +62,6 @@ class Engine:
 
     stage: int
     shards_optimizer_state = False  # the optimizer steps a shard of each unit (ZeRO-1 and up)
-    shards_grads = False  # only a shard of the gradients is kept after backward (ZeRO-2 and up)
     shards_params = False  # only a shard of the weights is kept at rest (ZeRO-3)
     #: Start each unit's reduction as soon as its gradients are all computed, overlapping the
     #: backward of the units before it (then its full gradients can be dropped). ZeRO-1 waits

@@ -131,7 +131,12 @@ class FlatUnit:
             shard = self.master.detach().to(self.full.dtype)
             self._gathering = comm.all_gather(self._comm_full, shard, unit=self.name, async_op=True)
             self.state = UnitState.GATHERING
-        if self.state is UnitState.GATHERING and not async_op:
+        if not async_op:
+            self._land()
+
+    def _land(self) -> None:
+        """Wait for the all-gather in flight, if any: the unit is then ``GATHERED``."""
+        if self.state is UnitState.GATHERING:
             self._gathering.wait()
             self._gathering = None
             self.state = UnitState.GATHERED
@@ -142,7 +147,7 @@ class FlatUnit:
         """Give the borrowed shards back: release ``full``'s memory, keep only the master shard."""
         if self.state is UnitState.SHARDED:
             return
-        self.gather()  # a gather still in flight must land before its buffer goes
+        self._land()  # a gather still in flight must land before its buffer goes
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         if self.shard_views is not None:
@@ -166,6 +171,16 @@ class FlatUnit:
             self.master.grad = None
         for p, view in zip(self.params, self._full_views):
             p.data = view
+
+    @property
+    def is_gathered(self) -> bool:
+        """Not ``SHARDED``: the full buffer is allocated (read-only; the labs' name for ``state``)."""
+        return self.state is not UnitState.SHARDED
+
+    @property
+    def gathering(self) -> comm.Pending | None:
+        """The all-gather in flight, if any (read-only)."""
+        return self._gathering
 
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:

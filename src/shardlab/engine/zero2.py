@@ -16,5 +16,4 @@ from shardlab.engine.zero1 import ZeRO1
 
 class ZeRO2(ZeRO1):
     stage = 2
-    shards_grads = True
     reduce_as_ready = True

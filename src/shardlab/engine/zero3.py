@@ -88,8 +88,14 @@ class FSDP(ZeRO2):
         if phase == "backward":  # the units after this one's subtree are done: reduce them now
             self.issue_reductions(force=lambda u: u.index > unit.last_index and u.forward_calls < 2 and u is not self.root)
         unit.gather()  # waits here if a prefetch already started it
-        if self.prefetch and self._next < len(order):
-            order[self._next].gather(async_op=True)
+        if self.prefetch:
+            self.prefetch_next(order, unit)
+
+    def prefetch_next(self, order: list[FlatUnit], unit: FlatUnit) -> None:
+        """Start the all-gather of the unit after ``unit`` in ``order``, without waiting."""
+        nxt = order.index(unit) + 1
+        if nxt < len(order):
+            order[nxt].gather(async_op=True)
 
     def _free_after_forward(self, unit: FlatUnit) -> None:
         if not torch.is_grad_enabled() or (self.reshard_after_forward and unit is not self.root):

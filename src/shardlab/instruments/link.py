@@ -192,3 +192,31 @@ def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=T
             yield emulator
     finally:
         _active = None
+
+
+def fit_link(kind: str, sizes_bytes, seconds, world_size: int) -> Link:
+    """The α-β link that best explains measured collective times (least squares).
+
+    ``sizes_bytes`` are FULL buffer sizes and ``seconds`` the measured time of one ``kind``
+    collective on each. The ring model is linear in the size, t = a + b·bytes, with
+    a = (N-1)·α and b = (N-1)/N · 8/β for all-gather and reduce-scatter (twice both for
+    all-reduce), so a straight-line fit gives α and β back: feed the result to
+    :func:`link_delay` or :func:`emulate_link` to predict a step on that network.
+    """
+    xs, ys = [float(s) for s in sizes_bytes], [float(t) for t in seconds]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError("fit_link needs times for at least two different sizes")
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"fit_link needs world_size >= 2 (one rank sends nothing), got {world_size!r}")
+    hops = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}.get(kind)
+    if hops is None:
+        raise ValueError(f"fit_link fits all_gather, reduce_scatter or all_reduce, not {kind!r}")
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if not slope > 0:
+        raise ValueError("the measured times do not grow with the size: measure larger buffers")
+    ring = hops * (world_size - 1) / world_size
+    bandwidth_gbps = ring * 8 / slope / 1e9
+    latency_us = max(0.0, intercept / (hops * (world_size - 1))) * 1e6
+    return Link(f"fitted {kind}", bandwidth_gbps, latency_us, f"fitted to {n} sizes on {world_size} ranks")

@@ -124,6 +124,17 @@ def formula_text(stage, recipe_=MIXED_ADAM) -> str:
     return " + ".join(terms)
 
 
+def first_fitting_stage(params, world_size, device_bytes, recipe_=MIXED_ADAM, *, reserve_bytes=0):
+    """The least sharded stage whose model states fit ``device_bytes`` per device, or None.
+
+    The seed's tip as arithmetic: stay on DDP while it fits, else take the first stage that
+    does. ``reserve_bytes`` keeps room for activations and gathered units (they come on top).
+    """
+    totals = model_state_bytes(params, world_size, recipe_)
+    room = device_bytes - reserve_bytes
+    return next((s for s in STAGES if totals[s] <= room), None)
+
+
 def gathered_unit_bytes(largest_unit_params, recipe_=MIXED_ADAM, *, prefetch=True, include_grad=False):
     """Extra room at stage 3 for gathered units, on top of the sharded state.
 

@@ -1,0 +1,132 @@
+"""Results recorded on a real GPU node, kept as data: notebook 06 shows them when they exist.
+
+The course never types a GPU number into markdown. When a GPU run happens,
+``workshop/gpu_check.py --record`` and notebook 06's own cells call :func:`record`, which
+writes ``workshop/recorded/gpu_results.json``: one entry per kind of run (``bandwidth``,
+``memory``), each with the hardware it ran on, the date and the command. Without that file,
+:func:`text` says plainly that no GPU run has been recorded yet.
+
+File format::
+
+    {"runs": [{"kind": "bandwidth", "date": "2026-...Z", "command": "torchrun ... gpu_check.py --record",
+               "hardware": {"gpu": "...", "gpus": 8, "hosts": 1, "torch": "...", "nccl": "...", ...},
+               "rows": [{...}, ...], "fit": {...}}]}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+
+KINDS = ("bandwidth", "memory")
+RELATIVE = Path("workshop") / "recorded" / "gpu_results.json"
+NOT_YET = ("No GPU run has been recorded yet. Run `workshop/gpu_check.py --record` under torchrun on a "
+           "GPU node, and notebook 06 there, to record one (workshop/README.md, step 1).")
+
+
+def default_path() -> Path:
+    """``$SHARDLAB_GPU_RESULTS``, else workshop/recorded/gpu_results.json in the repository
+    that contains the working directory (notebooks run from notebooks/)."""
+    if os.environ.get("SHARDLAB_GPU_RESULTS"):
+        return Path(os.environ["SHARDLAB_GPU_RESULTS"])
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / "workshop").is_dir():
+            return folder / RELATIVE
+    return here / RELATIVE
+
+
+def hardware() -> dict:
+    """What this process runs on: GPU model, count, memory, host, torch and NCCL versions."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here: only runs on a GPU are recorded")
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpus_per_host": torch.cuda.device_count(),
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1), "host": socket.gethostname(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+
+
+def load(path=None) -> dict | None:
+    """The recorded runs, or None when nothing was recorded. A malformed file is an error."""
+    path = Path(path) if path is not None else default_path()
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list):
+        raise ValueError(f"{path}: expected {{'runs': [...]}}; delete the file or fix it")
+    for run in runs:
+        missing = {"kind", "date", "command", "hardware", "rows"} - set(run)
+        if missing or run["kind"] not in KINDS:
+            raise ValueError(f"{path}: a run lacks {sorted(missing)} or has an unknown kind; expected kinds {KINDS}")
+    return data
+
+
+def record(kind: str, rows: list[dict], *, command: str, hardware_info: dict | None = None, path=None,
+           **extra) -> Path:
+    """Write (or replace) the ``kind`` entry with measured ``rows``; returns the file's path.
+
+    ``hardware_info`` defaults to :func:`hardware`, which refuses to run without a GPU: a CPU
+    dry run must never end up in a file of GPU results.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+    if not rows:
+        raise ValueError("nothing to record: rows is empty")
+    path = Path(path) if path is not None else default_path()
+    data = load(path) or {"runs": []}
+    entry = {"kind": kind, "command": command, "hardware": hardware_info or hardware(), "rows": rows,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+    data["runs"] = [r for r in data["runs"] if r["kind"] != kind] + [entry]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def _bandwidth_table(run: dict) -> list[str]:
+    lines = [f"{'collective':16}{'ranks':>6}{'size (MB)':>11}{'time (ms)':>11}{'busbw (GB/s)':>14}"]
+    for r in run["rows"]:
+        lines.append(f"{r['kind']:16}{r['world_size']:>6}{r['size_bytes'] / 2**20:>11.0f}"
+                     f"{r['seconds'] * 1e3:>11.3f}{r.get('busbw_gbs', 0):>14.1f}")
+    for kind, fit in run.get("fit", {}).items():
+        lines.append(f"α-β fit, {kind}: β = {fit['bandwidth_gbps']:.0f} Gbit/s, α = {fit['latency_us']:.1f} µs")
+    return lines
+
+
+def _memory_table(run: dict) -> list[str]:
+    """Per stage and rank: CUDA's bytes at rest beside the tensor tally and the formula, and
+    CUDA's peak beside the tally's peak, each with the ratio."""
+    lines = [f"{'stage':>5}{'rank':>5}{'cuda rest':>11}{'tally':>8}{'formula':>9}{'ratio':>7}"
+             f"{'cuda peak':>11}{'tally':>8}{'ratio':>7}   (MB)"]
+    for r in run["rows"]:
+        lines.append(f"{r['stage']:>5}{r['rank']:>5}{r['cuda_rest'] / 1e6:>11.2f}{r['tally_rest'] / 1e6:>8.2f}"
+                     f"{r['formula_rest'] / 1e6:>9.2f}{r['cuda_rest'] / r['formula_rest']:>7.2f}"
+                     f"{r['cuda_peak'] / 1e6:>11.2f}{r['tally_peak'] / 1e6:>8.2f}{r['cuda_peak'] / r['tally_peak']:>7.2f}")
+    return lines
+
+
+def text(path=None) -> str:
+    """The recorded runs as text, each marked "recorded" with its hardware, date and command."""
+    data = load(path)
+    if not data or not data["runs"]:
+        return NOT_YET
+    out = []
+    for run in data["runs"]:
+        hw = run["hardware"]
+        out.append(f"recorded {run['kind']}: {run['date']} on {hw.get('gpu', '?')} "
+                   f"(x{hw.get('gpus_per_host', '?')} per host, {hw.get('host', '?')}; torch {hw.get('torch', '?')}, "
+                   f"NCCL {hw.get('nccl', '?')})")
+        out.append(f"command: {run['command']}")
+        out += _bandwidth_table(run) if run["kind"] == "bandwidth" else _memory_table(run)
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def show(path=None) -> None:
+    print(text(path))

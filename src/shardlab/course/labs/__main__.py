@@ -1,0 +1,165 @@
+"""Labs from the command line, for learners working in plain files and for workshop instructors.
+
+::
+
+    python -m shardlab.course.labs check lab1 my_lab1.py     # one line per task; exit 0 if all pass
+    python -m shardlab.course.labs grade lab1 submissions/   # every .py / .ipynb -> CSV + summary
+    python -m shardlab.course.labs generate                  # labs/solutions/*.ipynb -> labs/*.ipynb
+
+``check`` imports the task functions (named as in the lab) from the file and runs the lab's
+checks on fresh local ranks. A notebook submission is read for its imports and definitions only
+(cells that start ranks or call ``check`` are skipped). ``grade`` runs each submission in its
+own process group with a time limit, so one that hangs, crashes or deadlocks gets "timed out"
+rows and the others are graded anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardlab.course.labs.checking import Result, lab_tasks, run_on_fresh_ranks
+from shardlab.course.labs.generate import generate
+
+#: Seconds a submission may spend starting ranks and importing torch, on top of its tasks' limits.
+STARTUP = 90.0
+
+
+def notebook_to_script(path: Path, folder: Path) -> Path:
+    """The imports, functions and classes of a notebook's code cells, as a plain .py file."""
+    nb = json.loads(path.read_text())
+    kept = []
+    for cell in nb["cells"]:
+        source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+        if source.lstrip().startswith("%%"):
+            continue  # runs on the ranks (%%ranks) or is another cell magic
+        source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                           for line in source.splitlines())
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+                kept.append(ast.get_source_segment(source, node))
+    script = folder / f"{path.stem}.py"
+    script.write_text("\n\n".join(kept) + "\n")
+    return script
+
+
+def _check(args) -> int:
+    tasks = lab_tasks(args.lab)
+    path = Path(args.file).resolve()
+    if not path.exists():
+        print(f"no such file: {path}", file=sys.stderr)
+        return 2
+    out = open(args.jsonl, "a") if args.jsonl else None  # noqa: SIM115 - closed below
+
+    def report(result: Result) -> None:
+        print(result.line(), flush=True)
+        if out:
+            out.write(json.dumps(result.__dict__) + "\n")
+            out.flush()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = notebook_to_script(path, Path(tmp)) if path.suffix == ".ipynb" else path
+        results = run_on_fresh_ranks([(t.id, str(script)) for t in tasks], scale=args.scale,
+                                     timeout=args.timeout, report=report)
+    if out:
+        out.close()
+    return 0 if all(r.passed for r in results) else 1
+
+
+def _grade(args) -> int:
+    tasks = lab_tasks(args.lab)
+    folder = Path(args.dir)
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".py", ".ipynb"))
+    limit = (STARTUP + 1.5 * sum(args.timeout or t.timeout for t in tasks)) * args.scale
+    rows = []
+    for path in files:
+        t0 = time.monotonic()
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as log:
+            cmd = [sys.executable, "-m", "shardlab.course.labs", "check", args.lab, str(path),
+                   "--jsonl", log.name, "--scale", str(args.scale)]
+            cmd += ["--timeout", str(args.timeout)] if args.timeout else []
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)  # its own group: killed as a whole
+            try:
+                proc.wait(timeout=limit)
+                hung = False
+            except subprocess.TimeoutExpired:
+                hung = True
+            _kill_group(proc)
+            done = {r["task"]: r for r in map(json.loads, log.read().splitlines())}
+        for t in tasks:
+            r = done.get(t.id) or {"status": "timed out", "message":
+                                   f"the submission ran past {limit:.0f} s and was stopped"
+                                   if hung else "no result: the submission crashed"}
+            rows.append({"file": path.name, "task": t.id, "result": r["status"],
+                         "hint": "" if r["status"] == "pass" else r["message"]})
+        passed = sum(1 for row in rows[-len(tasks):] if row["result"] == "pass")
+        print(f"{path.name}: {passed}/{len(tasks)} tasks pass ({time.monotonic() - t0:.0f} s)", flush=True)
+    out = Path(args.out or folder / f"grades_{args.lab.split('_')[0]}.csv")
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["file", "task", "result", "hint"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\n{len(files)} submissions, {args.lab}: wrote {out}")
+    for t in tasks:
+        ok = sum(1 for row in rows if row["task"] == t.id and row["result"] == "pass")
+        print(f"  {t.id:32} {ok}/{len(files)} pass")
+    return 0
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the submission's whole process group (its ranks too), then reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _generate(args) -> int:
+    root = Path(args.root)
+    solutions = sorted((root / "solutions").glob("lab*.ipynb"))
+    stale = [p for p in solutions if not generate(p, check_only=args.check)]
+    for p in stale:
+        print(f"{'stale' if args.check else 'wrote'}: {p.parent.parent / p.name}")
+    return 1 if (args.check and stale) else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardlab.course.labs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="check one file's task functions on fresh local ranks")
+    c.add_argument("lab", help="lab1 ... lab5")
+    c.add_argument("file", help="a .py (or .ipynb) file defining the lab's functions")
+    c.add_argument("--jsonl", help=argparse.SUPPRESS)  # the grader reads results from here
+    g = sub.add_parser("grade", help="check every .py / .ipynb in a folder; write a CSV")
+    g.add_argument("lab")
+    g.add_argument("dir")
+    g.add_argument("--out", help="the CSV to write (default DIR/grades_LAB.csv)")
+    for p in (c, g):
+        p.add_argument("--scale", type=float, default=float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", 1)),
+                       help="multiply every time limit (a loaded machine)")
+        p.add_argument("--timeout", type=float, help="seconds per task (default: each task's own)")
+    n = sub.add_parser("generate", help="write labs/*.ipynb from labs/solutions/*.ipynb")
+    n.add_argument("--root", default="labs")
+    n.add_argument("--check", action="store_true", help="only report stale student notebooks")
+    args = parser.parse_args(argv)
+    return {"check": _check, "grade": _grade, "generate": _generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

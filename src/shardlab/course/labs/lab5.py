@@ -1,0 +1,204 @@
+"""Lab 5 checks: prefetch, start the next unit's all-gather early and wait for it only when needed.
+
+``unit.gather(async_op=True)`` starts a gather and returns at once; the next plain
+``unit.gather()`` waits for it. Two tasks: ``forward_prefetch(units, x)`` (the forward loop with
+the next gather in flight while this unit computes) and ``prefetch_next(order, unit)`` (the same
+rule as a function, plugged into ShardLab's stage 3 for forward and backward). The rule both
+checks enforce: at most two units hold full weights at once, the one running and the next.
+:func:`measure` times a step on an emulated 1 GbE link with and without prefetch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardlab.course.labs import pieces
+from shardlab.course.labs.checking import Hint, task
+from shardlab.engine import api, events
+from shardlab.instruments.link import emulate_link, link_delay
+
+MOST = 2  # units gathered at once: the one running and the next one
+
+
+def _not_in_flight(unit) -> None:
+    if unit.gathering is not None:
+        raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
+                   "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)")
+    if not unit.is_gathered:
+        raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first")
+
+
+def _too_many(most: int) -> Hint:
+    return Hint(f"{most} units held their full weights at once; at most {MOST} may: the one running and the "
+                "next. Prefetch only the next unit, and free each unit as soon as it is done",
+                stronger="if i + 1 < len(units): units[i + 1].gather(async_op=True)")
+
+
+@task("lab5.forward_prefetch", fn_name="forward_prefetch")
+def check_forward_prefetch(fn) -> str:
+    """Run the 4-block model through ``fn``; each next gather must be in flight during this unit's forward."""
+    rank = dist.get_rank()
+    units = pieces.flat_units(pieces.make_model(), sharded=True)
+    trace = pieces.Trace(units)
+    for u in units:
+        trace.watch(u, forward_check=_not_in_flight)
+    x, _ = pieces.batch(rank, 0)
+    try:
+        with trace.listen():
+            out = fn(units, x)
+    finally:
+        trace.close()
+    if not torch.is_tensor(out):
+        raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output")
+    if not pieces.close(out.detach(), pieces.make_model()(x).detach()):
+        raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights")
+    busy = [u.name for u in units if u.is_gathered]
+    if busy:
+        raise Hint(f"{', '.join(busy)} still hold full weights at the end: free each unit after its forward",
+                   stronger="x = unit.module(x); unit.free()")
+    if trace.most_gathered > MOST:
+        raise _too_many(trace.most_gathered)
+    log = trace.log
+    at = lambda what, name: next((i for i, (w, u) in enumerate(log) if w == what and u == name), None)  # noqa: E731
+    for prev, u in zip(units, units[1:]):
+        issued, landed = at("all_gather", u.name), at("all_gather_done", u.name)
+        started, done = at("forward", prev.name), at("forward_done", prev.name)
+        if issued is None or issued > started:
+            raise Hint(f"{u.name}'s gather started only after {prev.name}'s forward had begun: nothing overlaps. "
+                       f"Start it (unit.gather(async_op=True)) before running {prev.name}",
+                       stronger="units[i + 1].gather(async_op=True)  # before x = unit.module(x)")
+        if landed < done:
+            raise Hint(f"you waited for {u.name}'s gather before {prev.name}'s forward ran, so it hid nothing: "
+                       "start it with unit.gather(async_op=True) and wait (unit.gather()) only when you need it")
+    return (f"each unit's gather was in flight during the previous unit's forward; at most "
+            f"{trace.most_gathered} units gathered at once; output matches the whole model")
+
+
+def _stage3(prefetch_next=None, *, d: int = pieces.D, prefetch: bool = True):
+    """A stage-3 model of blocks; ``prefetch_next`` replaces the engine's own prefetch rule."""
+    model = pieces.make_model(d)
+    model, optimizer = api.parallelize(model, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1, prefetch=prefetch)
+    engine = api.engine_of(model)
+    if prefetch_next is not None:
+        engine.prefetch_next = prefetch_next
+    return model, optimizer, engine
+
+
+def _step(model, optimizer, x, y) -> None:
+    pieces.loss_fn(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@task("lab5.prefetch_next", fn_name="prefetch_next")
+def check_prefetch_next(fn) -> str:
+    """Plug ``fn`` into ShardLab's stage 3; two steps, compared with stage 3 without prefetch."""
+    rank = dist.get_rank()
+
+    calls = {"issued": 0, "waited": 0}  # all-gathers started, and waited for, inside the learner's calls
+
+    def guarded(order, unit):
+        before = len(log)
+        try:
+            fn(order, unit)
+        except IndexError as e:
+            raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
+                       "prefetch only if there is one", stronger="if i + 1 < len(order): ...") from None
+        during = [(name, kind) for name, kind, _ in log[before:]]
+        calls["issued"] += during.count(("comm", "all_gather"))
+        calls["waited"] += during.count(("comm_done", "all_gather"))
+
+    log, most = [], [0]
+    model, optimizer, engine = _stage3(guarded)
+
+    def record(name, fields):
+        most[0] = max(most[0], pieces.gathered(engine.units))
+        log.append((name, fields.get("kind"), fields.get("unit")))
+
+    steps = 2
+    with events.listen(record):
+        for step in range(steps):
+            _step(model, optimizer, *pieces.batch(rank, step))
+    mine = api.full_state_dict(model)  # every collective before any verdict
+    ref_model, ref_opt, _ = _stage3(prefetch=False)
+    for step in range(steps):
+        _step(ref_model, ref_opt, *pieces.batch(rank, step))
+    reference = api.full_state_dict(ref_model)
+    if most[0] > MOST:
+        raise _too_many(most[0])
+    if calls["issued"] == 0:
+        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
+                   "(the current one is gathered already)", stronger="order[i + 1].gather(async_op=True)")
+    if calls["waited"]:
+        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
+                   "gather(async_op=True); the engine waits when that unit is about to run")
+    n = len(engine.units)
+    gathers = [i for i, (name, kind, _) in enumerate(log) if name == "comm" and kind == "all_gather"]
+    if len(gathers) > 2 * n * steps:
+        raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
+                   "forward, once for backward): you prefetched units that had already run")
+    hidden = 0
+    for i in gathers:
+        unit = log[i][2]
+        j = next(k for k in range(i + 1, len(log)) if log[k][:3] == ("comm_done", "all_gather", unit))
+        hidden += j > i + 1  # the rank did something (ran a unit) before it waited
+    want = 2 * (n - 1) * steps
+    if hidden < want:
+        raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
+                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
+    for name, t in reference.items():
+        if not pieces.close(mine[name], t):
+            raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
+    return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
+            f"most {most[0]} units gathered at once; weights after {steps} steps match stage 3 without prefetch")
+
+
+def measure(prefetch_next, *, link: str = "1GbE", steps: int = 3, d: int = 128) -> dict | None:
+    """Step time on an emulated ``link`` with and without ``prefetch_next`` (a benchmark: nothing asserted).
+
+    Run on every rank: ``cluster.run(lab5.measure, prefetch_next)``. ``wait_s`` is the time the
+    rank spent waiting for gathers each step; ``link_gather_s`` what the gathers need on the
+    link by the ring formula. None while ``prefetch_next`` is still a stub.
+    """
+    try:
+        return _measure(prefetch_next, link, steps, d)
+    except NotImplementedError:
+        return None
+
+
+def _measure(prefetch_next, link: str, steps: int, d: int) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for mode, rule in (("no prefetch", None), ("prefetch", prefetch_next)):
+        model, optimizer, engine = _stage3(rule, d=d, prefetch=rule is not None)
+        waited = [0.0]
+        for unit in engine.units:  # time each blocking gather() (a prefetched one only waits)
+            def timed(*, async_op=False, _gather=unit.gather, _waited=waited):
+                t = time.perf_counter()
+                _gather(async_op=async_op)
+                if not async_op:
+                    _waited[0] += time.perf_counter() - t
+            unit.gather = timed
+        x, y = pieces.batch(rank, 0, d, rows=256)
+        _step(model, optimizer, x, y)  # warm-up
+        cost = [0.0]
+
+        def book(name, f, cost=cost):
+            if name == "comm" and f["kind"] == "all_gather":
+                cost[0] += link_delay("all_gather", f["numel"], f["dtype"], f["world_size"],
+                                      emulator.link.bandwidth_gbps, emulator.link.latency_us)
+
+        times = []
+        with emulate_link(link) as emulator, events.listen(book):
+            waited[0] = 0.0
+            for _ in range(steps):
+                t = time.perf_counter()
+                _step(model, optimizer, x, y)
+                times.append(time.perf_counter() - t)
+        out[mode] = {"step_s": statistics.median(times), "wait_s": waited[0] / steps,
+                     "link_gather_s": cost[0] / steps}
+    return out
