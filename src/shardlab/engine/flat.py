@@ -132,9 +132,9 @@ class FlatUnit:
             self._gathering = comm.all_gather(self._comm_full, shard, unit=self.name, async_op=True)
             self.state = UnitState.GATHERING
         if not async_op:
-            self._land()
+            self.wait_gather()
 
-    def _land(self) -> None:
+    def wait_gather(self) -> None:
         """Wait for the all-gather in flight, if any: the unit is then ``GATHERED``."""
         if self.state is UnitState.GATHERING:
             self._gathering.wait()
@@ -147,7 +147,7 @@ class FlatUnit:
         """Give the borrowed shards back: release ``full``'s memory, keep only the master shard."""
         if self.state is UnitState.SHARDED:
             return
-        self._land()  # a gather still in flight must land before its buffer goes
+        self.wait_gather()  # a gather still in flight must land before its buffer goes
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         if self.shard_views is not None:
