@@ -9,6 +9,9 @@ tiny      2       32    2      128    ~0.03 M
 small     4       128   4      1024   ~1.1 M
 gpt-13m   6       384   6      4096   ~13.8 M  (the benchmark's model)
 ========  ======  ====  =====  =====  ==========
+
+And :class:`MoE`, a tiny mixture of experts whose expert choice depends on the data, so that a
+rank can skip an expert (notebook 05).
 """
 
 from __future__ import annotations
@@ -128,3 +131,57 @@ class MLP(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class MoE(nn.Module):
+    """A tiny mixture-of-experts regressor: token ``t`` goes to expert ``t % n_experts``.
+
+    Hash routing (as in "Hash Layers", Roller et al. 2021) makes the choice a function of the
+    data alone, so a rank whose tokens never hash to an expert skips it, whatever the weights.
+    The router still weighs each token's expert output, so the router always gets a gradient.
+    Each expert is a child of an ``nn.ModuleList``, so each is its own unit (the default rule);
+    an expert no token chose does not run, and its parameters get no gradient on that rank.
+    """
+
+    def __init__(self, vocab: int = 12, d: int = 8, n_experts: int = 3):
+        super().__init__()
+        self.n_experts = n_experts
+        self.embed = nn.Embedding(vocab, d)
+        self.router = nn.Linear(d, n_experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n_experts))
+        self.head = nn.Linear(d, 1)
+
+    def route(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens % self.n_experts
+
+    def experts_used(self, tokens: torch.Tensor) -> list[int]:
+        return sorted(set(self.route(tokens).tolist()))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        choice = self.route(tokens)
+        gate = self.router(h).softmax(-1).gather(1, choice[:, None])
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().squeeze(1)
+            if rows.numel():  # an expert no token chose does not run
+                out = out.index_add(0, rows, expert(h[rows]) * gate[rows])
+        return self.head(h + out).squeeze(-1)
+
+
+def moe_batch(model: MoE, experts, batch_size: int, *, seed: int):
+    """Tokens that go to exactly ``experts`` (each one at least once), and random targets.
+
+    Token ``i`` goes to ``experts[i % len(experts)]``; which of that expert's tokens it is, and
+    the targets, come from ``seed``. So a rank given ``experts=[0]`` never runs experts 1 and 2.
+    """
+    experts = sorted(set(experts))
+    if not experts or not all(0 <= e < model.n_experts for e in experts):
+        raise ValueError(f"experts must be a non-empty subset of range({model.n_experts}); got {experts}")
+    if batch_size < len(experts):
+        raise ValueError(f"batch_size={batch_size} cannot reach {len(experts)} experts; use at least that many")
+    g = torch.Generator().manual_seed(seed)
+    expert = torch.tensor(experts)[torch.arange(batch_size) % len(experts)]
+    per_expert = model.embed.num_embeddings // model.n_experts
+    tokens = expert + model.n_experts * torch.randint(0, per_expert, (batch_size,), generator=g)
+    return tokens, torch.randn(batch_size, generator=g)
