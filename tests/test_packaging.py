@@ -6,6 +6,8 @@ import re
 from importlib.metadata import requires
 from pathlib import Path
 
+from conftest import slowdown
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,5 +43,5 @@ def test_ruff_is_clean():
     import sys
 
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    done = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True, timeout=slowdown(120))
     assert done.returncode == 0, done.stdout + done.stderr
