@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import shardlab
+from shardlab.engine.units import checkpoint_units
 from shardlab.launch import run_ranks
-from shardlab.memory import checkpoint_units
 from shardlab.models import batch, gpt, lm_loss
 
 # The course's GPT, narrowed to an odd width (d = 34) so units need padding at N = 3 and 4,
@@ -29,7 +29,7 @@ def count_process_group_calls():
     """Count every collective that reaches the process group, whichever Python path sent it.
 
     All of ``torch.distributed``'s functions end in a method of ``ProcessGroup``; wrapping the
-    class's methods sees calls that bypass :mod:`shardlab.comm`.
+    class's methods sees calls that bypass :mod:`shardlab.engine.comm`.
     """
     pg = dist.ProcessGroup
     names = [n for n in ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",

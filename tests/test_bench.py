@@ -15,7 +15,9 @@ import time
 import pytest
 from conftest import slowdown
 
-from shardlab import bench, bench_configs, bench_report
+from shardlab.bench import configs as bench_configs
+from shardlab.bench import report as bench_report
+from shardlab.bench import run as bench
 
 
 @pytest.fixture(scope="module")

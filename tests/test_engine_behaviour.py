@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import slowdown
 
-from shardlab.api import MixedPrecision
+from shardlab.engine.api import MixedPrecision
 from shardlab.launch import run_ranks
 
 

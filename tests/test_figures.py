@@ -7,8 +7,9 @@ import pytest
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
-from shardlab import figures, plots
-from shardlab import memory_math as mm
+from shardlab.bench import figures
+from shardlab.instruments import memory_math as mm
+from shardlab.instruments import plots
 
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 

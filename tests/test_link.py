@@ -7,8 +7,9 @@ import torch
 from conftest import slowdown
 
 import shardlab
-from shardlab import events, launch
-from shardlab.link import LINKS, Link, LinkEmulator, emulate_link, link_delay
+from shardlab import launch
+from shardlab.engine import events
+from shardlab.instruments.link import LINKS, Link, LinkEmulator, emulate_link, link_delay
 
 MB = 10**6
 
@@ -103,7 +104,7 @@ def test_the_link_carries_one_transfer_at_a_time():
 
 def timed_all_gather(bandwidth_gbps: float):
     """Run on each of 2 ranks: an all-gather's time before, inside and after emulate_link."""
-    from shardlab import comm
+    from shardlab.engine import comm
 
     shard = torch.ones(250_000)  # 1 MB a rank, 2 MB full
     full = torch.empty(2 * shard.numel())

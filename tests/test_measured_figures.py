@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
-from shardlab import figures, plots
-from shardlab import measured_figures as mf
+from shardlab.bench import figures
+from shardlab.bench import measured_figures as mf
+from shardlab.instruments import plots
 
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 NAMES = ("timeline_prefetch", "timeline_no_prefetch", "memory_over_time")
@@ -53,7 +54,7 @@ def test_they_come_from_both_ranks_and_show_the_cycle(drawn):
 
 
 def test_registered_as_measured_and_committed():
-    assert "shardlab.measured_figures" in figures.MEASURED_MODULES
+    assert "shardlab.bench.measured_figures" in figures.MEASURED_MODULES
     for name in NAMES:
         assert figures.FIGURES[name].measured
         assert (COMMITTED / f"{name}.png").exists(), f"run python -m shardlab figures --measured ({name})"

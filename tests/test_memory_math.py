@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 
-from shardlab import memory_math as mm
+from shardlab.instruments import memory_math as mm
 from shardlab.models import GPT, GPTConfig
 
 # ZeRO paper, Table 1: GB per device for Pos / Pos+g / Pos+g+p, exactly as printed.

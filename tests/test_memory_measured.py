@@ -11,7 +11,7 @@ import torch
 from instrument_workers import MODEL, MODEL_KW, PER_RANK, measured, saved_bytes_single_process
 
 import shardlab
-from shardlab import memory_math as mm
+from shardlab.instruments import memory_math as mm
 from shardlab.models import batch, gpt, lm_loss
 
 WORLD_SIZES = (2, 3, 4)

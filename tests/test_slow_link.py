@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import slowdown
 
-from shardlab import slow_link
+from shardlab.bench import slow_link
 
 SLOW = "0.01:0"  # 10 Mbit/s: ~0.1 s a step for the tiny GPT, ~10x its compute
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from instrument_workers import measured
 
 import shardlab
-from shardlab import events
+from shardlab.engine import events
 
 CYCLE = ["all_gather", "forward", "free", "all_gather", "backward", "reduce_scatter", "free"]
 
@@ -67,6 +67,6 @@ def test_trace_without_process_group():
 
 
 def test_trace_events_draw():
-    from shardlab.plots import timeline
+    from shardlab.instruments.plots import timeline
 
     timeline(measured(2)[0][3]["events"])

@@ -11,8 +11,8 @@ import torch
 from instrument_workers import measured
 
 import shardlab
-from shardlab import events
-from shardlab.traffic import Ledger, ring_bytes_sent, volume
+from shardlab.engine import events
+from shardlab.instruments.traffic import Ledger, ring_bytes_sent, volume
 
 WORLD_SIZES = (2, 3, 4)
 

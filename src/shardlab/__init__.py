@@ -26,34 +26,50 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # engine
-    "parallelize": "shardlab.api",
-    "full_state_dict": "shardlab.api",
-    "load_full_state_dict": "shardlab.api",
-    "clip_grad_norm_": "shardlab.api",
-    "MixedPrecision": "shardlab.api",
-    "ShardedOptimizer": "shardlab.sharded_optimizer",
+    "parallelize": "shardlab.engine.api",
+    "full_state_dict": "shardlab.engine.api",
+    "load_full_state_dict": "shardlab.engine.api",
+    "clip_grad_norm_": "shardlab.engine.api",
+    "MixedPrecision": "shardlab.engine.api",
+    "ShardedOptimizer": "shardlab.engine.sharded_optimizer",
     "run_ranks": "shardlab.launch",
     "RankError": "shardlab.launch",
+    "checkpoint_units": "shardlab.engine.units",
     # instruments
-    "memory_report": "shardlab.memory",
-    "track_memory": "shardlab.memory",
-    "saved_activations": "shardlab.memory",
-    "count_comm": "shardlab.traffic",
-    "trace": "shardlab.timeline",
-    "emulate_link": "shardlab.link",
-    "LINKS": "shardlab.link",
+    "memory_report": "shardlab.instruments.memory",
+    "track_memory": "shardlab.instruments.memory",
+    "saved_activations": "shardlab.instruments.memory",
+    "count_comm": "shardlab.instruments.traffic",
+    "trace": "shardlab.instruments.timeline",
+    "emulate_link": "shardlab.instruments.link",
+    "LINKS": "shardlab.instruments.link",
     # runtime
     "start_cluster": "shardlab.cluster",
     "Cluster": "shardlab.cluster",
     "ClusterError": "shardlab.cluster",
     "CollectiveTimeout": "shardlab.cluster",
     "RankTimeout": "shardlab.cluster",
+    "engine_of": "shardlab.engine.api",
+    "save_checkpoint": "shardlab.engine.checkpoint",
+    "load_checkpoint": "shardlab.engine.checkpoint",
+}
+
+#: Modules a learner reaches from the top: ``from shardlab import comm``.
+_MODULES = {
+    "comm": "shardlab.engine.comm",
+    "events": "shardlab.engine.events",
+    "memory_math": "shardlab.instruments.memory_math",
+    "course": "shardlab.course",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
@@ -62,4 +78,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_MODULES))

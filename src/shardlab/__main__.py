@@ -10,11 +10,11 @@ import importlib
 import sys
 
 COMMANDS = {
-    "memory": ("shardlab.memory_math", "per-device model-state memory of DDP / ZeRO-1/2/3"),
-    "figures": ("shardlab.figures", "regenerate every PNG in figures/"),
-    "bench": ("shardlab.bench", "ShardLab's stages against PyTorch's DDP, ZeRO and fully_shard"),
+    "memory": ("shardlab.instruments.memory_math", "per-device model-state memory of DDP / ZeRO-1/2/3"),
+    "figures": ("shardlab.bench.figures", "regenerate every PNG in figures/"),
+    "bench": ("shardlab.bench.run", "ShardLab's stages against PyTorch's DDP, ZeRO and fully_shard"),
     "train": ("shardlab.train", "train the demo GPT at any stage (run it under torchrun)"),
-    "slow-link": ("shardlab.slow_link", "step time of stages 0 and 3 on emulated slow links vs the ring model"),
+    "slow-link": ("shardlab.bench.slow_link", "step time of stages 0 and 3 on emulated slow links vs the ring model"),
 }
 
 

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import shardlab
-from shardlab import comm, models
+from shardlab import models
+from shardlab.engine import api, comm
 from shardlab.launch import init_rank
 
 
@@ -101,7 +101,7 @@ def train(args) -> dict:
     model = models.gpt(args.size).to(device)
     cfg = model.cfg
     n_params = sum(p.numel() for p in model.parameters())
-    model, optimizer = shardlab.parallelize(
+    model, optimizer = api.parallelize(
         model, stage=args.stage, optimizer_cls=torch.optim.AdamW, lr=args.lr,
         mixed_precision=torch.bfloat16 if args.bf16 else None)
     say(f"shardlab train: GPT {args.size} ({n_params / 1e6:.2f} M params), stage {args.stage}, "
@@ -122,7 +122,7 @@ def train(args) -> dict:
             comm.all_reduce(loss_sum)  # SUM, then divide: the mean loss of the global batch
             say(f"step {step:>5}/{args.steps}  loss {loss_sum.item() / world_size:.4f}  "
                 f"{(time.perf_counter() - t0) / step:.3f} s/step")
-    state = shardlab.full_state_dict(model)  # a collective: every rank takes part
+    state = api.full_state_dict(model)  # a collective: every rank takes part
     digest = checksum(state)
     say(f"done in {time.perf_counter() - t0:.1f} s; weights checksum {digest}")
     if rank == 0 and args.save:

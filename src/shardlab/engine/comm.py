@@ -1,0 +1,108 @@
+"""The only door to the network: every collective the engine issues goes through here.
+
+Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
+
+* ``all_gather``     every rank contributes its shard, every rank receives the full buffer;
+* ``reduce_scatter`` every rank contributes a full buffer, every rank receives the SUM of its shard;
+* ``all_reduce``     every rank contributes a full buffer, every rank receives the full SUM;
+* ``broadcast``      rank ``src`` sends a buffer to all.
+
+We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
+silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event when
+issued (kind, ``numel`` of the full buffer, dtype, world size, unit, start) and ``"comm_done"``
+when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
+:mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardlab.engine import events
+
+# torch >= 2.12 names the tensor-native collectives *_single; the older names warn in 2.13.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """An issued collective. ``wait()`` blocks until its result is in place (once)."""
+
+    def __init__(self, work, event: dict | None, keep_alive=()):
+        self._work = work
+        self._event = event
+        self._keep_alive = keep_alive  # buffers that must outlive the async op
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._keep_alive = ()
+        if self._event is not None:
+            event, self._event = self._event, None
+            event["end"] = time.perf_counter()
+            events.emit("comm_done", **event)
+
+    @property
+    def buffers(self) -> tuple:
+        """The buffers this collective keeps alive until ``wait()`` (memory instruments count them)."""
+        return self._keep_alive
+
+
+def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pending:
+    event = None
+    if events.active():
+        event = dict(
+            kind=kind,
+            numel=(inp if kind == "reduce_scatter" else out).numel(),  # the full buffer
+            dtype=out.dtype,
+            world_size=dist.get_world_size(),
+            unit=unit,
+            start=time.perf_counter(),
+            phase=events.phase,
+        )
+        events.emit("comm", **event)
+    work = fn(*(t for t in (out, inp) if t is not None), async_op=async_op, **kw)
+    pending = Pending(work if async_op else None, event, keep_alive)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, *, unit=None, async_op=False) -> Pending:
+    """Fill ``full`` (N x len(shard) elements) with every rank's ``shard``, in rank order."""
+    return _issue("all_gather", _all_gather, full, shard, unit=unit, async_op=async_op, keep_alive=(shard,))
+
+
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, *, unit=None, async_op=False) -> Pending:
+    """Put into ``shard`` this rank's slice of the SUM over ranks of ``full``. Caller divides."""
+    return _issue(
+        "reduce_scatter", _reduce_scatter, shard, full, unit=unit, async_op=async_op,
+        keep_alive=(full,), op=dist.ReduceOp.SUM,
+    )
+
+
+def all_reduce(tensor: torch.Tensor, *, unit=None, async_op=False) -> Pending:
+    """Replace ``tensor`` by its SUM over ranks, in place. Caller divides."""
+    return _issue("all_reduce", dist.all_reduce, tensor, None, unit=unit, async_op=async_op, op=dist.ReduceOp.SUM)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, *, unit=None) -> Pending:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
+    return _issue("broadcast", dist.broadcast, tensor, None, unit=unit, async_op=False, src=src)
+
+
+def gather_lists(items: list) -> list:
+    """Every rank's Python ``items`` concatenated in rank order, on every rank (no-op on one process).
+
+    The instruments use it to pool what each rank recorded. It is bookkeeping, not training
+    traffic, so it emits no event and no ledger counts it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(items)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(items))
+    return [x for rank_items in everyone for x in rank_items]

@@ -1,0 +1,58 @@
+"""A tiny event bus: the engine says what it is doing, instruments listen.
+
+The engine calls :func:`emit` at each step of the FSDP cycle (gather issued, gather done,
+forward, free, reduce-scatter, optimizer step) and :mod:`shardlab.engine.comm` emits one event per
+collective. Instruments (communication ledger, timeline, slow-link emulation) subscribe with
+:func:`listen`. With no listener, ``emit`` returns at once, so the hot path pays almost nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+Listener = Callable[[str, dict], None]
+
+_listeners: list[Listener] = []
+
+#: What the engine is doing now: "init", "forward", "backward" or "step".
+#: Collectives are filed under this phase by the communication ledger.
+phase = "init"
+
+
+def set_phase(name: str) -> None:
+    global phase
+    phase = name
+
+
+def emit(name: str, **fields) -> None:
+    """Tell every listener that ``name`` happened now (``fields`` describe it)."""
+    if not _listeners:
+        return
+    fields.setdefault("time", time.perf_counter())
+    fields.setdefault("phase", phase)
+    for listener in list(_listeners):
+        listener(name, fields)
+
+
+def active() -> bool:
+    """True when someone listens (lets callers skip work that only feeds instruments)."""
+    return bool(_listeners)
+
+
+@contextmanager
+def listen(listener: Listener, *, first: bool = False):
+    """Call ``listener(name, fields)`` for every event emitted inside the ``with`` block.
+
+    Listeners share one ``fields`` dict per event; ``first=True`` puts a listener ahead of
+    the others, so that what it changes (slow-link emulation delays ``end``) is what they see.
+    """
+    if first:
+        _listeners.insert(0, listener)
+    else:
+        _listeners.append(listener)
+    try:
+        yield listener
+    finally:
+        _listeners.remove(listener)

@@ -1,0 +1,59 @@
+"""ZeRO-1 on its own: a drop-in optimizer that shards its state across the ranks.
+
+Like PyTorch's ``ZeroRedundancyOptimizer``, it expects gradients that are already averaged
+over ranks (for example by DDP or by ``parallelize(model, stage=0)``)::
+
+    model = DistributedDataParallel(model)
+    optimizer = shardlab.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+Unlike it, the parameters are flattened into one padded buffer and every rank owns one equal
+contiguous shard (``ZeroRedundancyOptimizer`` hands out whole parameters, so its shards are
+uneven). ``step()`` runs the wrapped optimizer on this rank's shard only, then all-gathers
+the updated shards so every rank holds all the new weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab.engine import comm
+from shardlab.engine.flat import FlatUnit
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, optimizer_cls, **kwargs):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs a process group: call torch.distributed.init_process_group()")
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("ShardedOptimizer got no trainable parameters")
+        if len({(p.device, p.dtype) for p in params}) > 1:
+            raise ValueError("ShardedOptimizer needs all parameters on one device with one dtype")
+        # The parameters' data becomes views into one flat buffer, so the final all-gather
+        # writes every parameter at once.
+        self.unit = FlatUnit("params", params, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self.unit.master = nn.Parameter(self.unit.my_shard(self.unit.full))
+        self.inner = optimizer_cls([self.unit.master], **kwargs)
+        super().__init__([self.unit.master], self.inner.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("step(closure) is not supported")
+        unit = self.unit
+        unit.master.grad = unit.my_shard(unit.pack_grads(unit.full.dtype))
+        self.inner.step()
+        comm.all_gather(unit.full, unit.master, unit="params")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.unit.master.grad = None
+        self.unit.set_param_grads(None)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)

@@ -1,0 +1,194 @@
+"""Pretend the ranks talk over a slower network: slow-link emulation for every engine collective.
+
+On one machine the ranks talk through loopback memory, so communication looks almost free and
+ZeRO-3's extra gathers cost nothing. ``emulate_link`` makes each collective take as long as a
+link of a given bandwidth and latency would need, by the textbook ring cost (α-β model)::
+
+    all_gather, reduce_scatter   (N-1)·α  +  (N-1)/N · bytes / β
+    all_reduce                  2(N-1)·α + 2(N-1)/N · bytes / β      (= reduce-scatter + all-gather)
+    broadcast                    (N-1)·α  +           bytes / β      (pipelined ring broadcast)
+
+``bytes`` is the FULL buffer (N shards), α the per-message latency, β the per-direction
+bandwidth of each rank's link. One rank sends nothing, so N = 1 costs nothing.
+
+Why sleep when the collective completes (``comm_done``) and not when it is issued: a transfer
+on a real link starts when it is issued and runs while the rank computes; an async op only
+blocks at ``wait()``. Sleeping at issue would block the issuing thread and make overlap
+(prefetch) look useless. So at issue we book the transfer on this rank's link, which carries
+one transfer at a time (two gathers in flight share it), and at completion we sleep only until
+the booked finish time. Compute done in between hides the transfer, as on a real network; a
+synchronous op simply takes ``max(loopback time, link time)``. ``overlap=False`` is the
+pessimistic bound instead: every op sleeps its full link time on completion, hiding nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from shardlab.engine import events
+
+
+@dataclass(frozen=True)
+class Link:
+    """A named link: per-direction bandwidth in Gbit/s (10^9 bits/s) and per-message latency in µs."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_us: float
+    note: str = ""
+
+
+#: Round numbers of the right order of magnitude, per GPU and direction, for teaching; not benchmarks.
+LINKS = {
+    "NVLink": Link("NVLink", 3600.0, 2.0, "NVLink 4 (H100 SXM): 450 GB/s per direction, ~2 µs per hop inside a node"),
+    "InfiniBand": Link("InfiniBand", 400.0, 5.0, "NDR InfiniBand, one 400 Gbit/s NIC per GPU, ~5 µs through NCCL"),
+    "10GbE": Link("10GbE", 10.0, 50.0, "10 Gigabit Ethernet with TCP: ~50 µs per message"),
+    "1GbE": Link("1GbE", 1.0, 100.0, "Gigabit Ethernet with TCP: ~100 µs per message"),
+}
+
+_ITEMSIZE = {
+    "float64": 8, "double": 8, "fp64": 8, "int64": 8, "long": 8,
+    "float32": 4, "float": 4, "fp32": 4, "int32": 4, "int": 4,
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def _itemsize(dtype_or_itemsize) -> int:
+    """Bytes per element from an int, a torch/numpy dtype, or a name like 'bf16'."""
+    d = dtype_or_itemsize
+    if isinstance(d, int) and not isinstance(d, bool):
+        size = d
+    elif hasattr(d, "itemsize"):
+        size = int(d.itemsize)
+    elif isinstance(d, str) and d.lower().removeprefix("torch.") in _ITEMSIZE:
+        size = _ITEMSIZE[d.lower().removeprefix("torch.")]
+    else:
+        raise ValueError(f"cannot tell the element size of {d!r}; pass bytes per element or a dtype")
+    if size <= 0:
+        raise ValueError(f"element size must be positive, got {size}")
+    return size
+
+
+def _check_link(bandwidth_gbps, latency_us):
+    if not isinstance(bandwidth_gbps, (int, float)) or isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be a positive number (Gbit/s), got {bandwidth_gbps!r}")
+    if not isinstance(latency_us, (int, float)) or isinstance(latency_us, bool) or not latency_us >= 0:
+        raise ValueError(f"latency_us must be a number >= 0 (µs), got {latency_us!r}")
+
+
+def link_delay(kind, numel, dtype_or_itemsize, world_size, bandwidth_gbps, latency_us) -> float:
+    """Seconds a ring collective of ``kind`` on a FULL buffer of ``numel`` elements costs on the link."""
+    _check_link(bandwidth_gbps, latency_us)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    n = world_size
+    if n == 1:
+        return 0.0
+    alpha = latency_us * 1e-6
+    seconds_per_byte = 8 / (bandwidth_gbps * 1e9)
+    nbytes = numel * _itemsize(dtype_or_itemsize)
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * alpha + (n - 1) / n * nbytes * seconds_per_byte
+    if kind == "all_reduce":
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * seconds_per_byte
+    if kind == "broadcast":
+        return (n - 1) * alpha + nbytes * seconds_per_byte
+    raise ValueError(f"unknown collective {kind!r}; expected all_gather, reduce_scatter, all_reduce or broadcast")
+
+
+class LinkEmulator:
+    """The listener behind :func:`emulate_link`; also the object it yields, with what it added.
+
+    ``link_time_s`` is what the link needed in total; ``slept_s`` the part that was not hidden
+    behind loopback time or compute, i.e. what the emulation actually added to the run.
+    """
+
+    def __init__(self, link: Link, overlap: bool = True):
+        self.link = link
+        self.overlap = overlap
+        self.ops = 0
+        self.link_time_s = 0.0
+        self.slept_s = 0.0
+        self._free_at = 0.0  # when this rank's link finishes its booked transfers
+        self._finish: dict[tuple, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def delay(self, fields: dict) -> float:
+        return link_delay(fields["kind"], fields["numel"], fields["dtype"], fields["world_size"],
+                          self.link.bandwidth_gbps, self.link.latency_us)
+
+    def _book(self, fields: dict) -> tuple[float, float]:
+        """Put the transfer on the link (one at a time); return its finish time and cost."""
+        cost = self.delay(fields)
+        begin = max(fields["start"], self._free_at)
+        self._free_at = begin + cost
+        self.ops += 1
+        self.link_time_s += cost
+        return self._free_at, cost
+
+    def __call__(self, name: str, fields: dict) -> None:
+        if name not in ("comm", "comm_done"):
+            return
+        key = (fields["kind"], fields["start"], fields.get("unit"))
+        with self._lock:
+            if name == "comm":
+                self._finish[key] = self._book(fields)
+                return
+            booked = self._finish.pop(key, None)
+            if booked is None:  # issued before the emulation started: book it now
+                booked = self._book(fields)
+            finish, cost = booked
+            wait = finish - time.perf_counter() if self.overlap else cost
+        if wait > 0:
+            time.sleep(wait)
+            self.slept_s += wait
+            fields["end"] = time.perf_counter()  # later listeners (ledger, trace) see the slow link
+
+
+_active: LinkEmulator | None = None
+
+
+@contextmanager
+def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=True):
+    """Make every engine collective inside the block cost what it would on a slower link.
+
+    ``emulate_link("10GbE")`` uses a preset from :data:`LINKS`; ``emulate_link(bandwidth_gbps=1,
+    latency_us=100)`` a custom link; ``emulate_link(preset="1GbE", latency_us=0)`` a preset with
+    an override. Bandwidth is in Gbit/s per direction. ``overlap=False`` adds every op's full
+    link time, hiding none of it behind compute (see the module docstring). Yields a
+    :class:`LinkEmulator` whose ``link_time_s`` and ``slept_s`` say what the link cost. One
+    emulated link at a time.
+    """
+    global _active
+    if isinstance(bandwidth_gbps, str):
+        if preset is not None:
+            raise ValueError("give the preset once: emulate_link('10GbE') or emulate_link(preset='10GbE')")
+        preset, bandwidth_gbps = bandwidth_gbps, None
+    if preset is not None:
+        if preset not in LINKS:
+            raise ValueError(f"unknown link preset {preset!r}; choose one of {list(LINKS)}")
+        base = LINKS[preset]
+        bandwidth_gbps = base.bandwidth_gbps if bandwidth_gbps is None else bandwidth_gbps
+        latency_us = base.latency_us if latency_us is None else latency_us
+        name = preset
+    elif bandwidth_gbps is None:
+        raise ValueError(f"give a bandwidth_gbps or a preset (one of {list(LINKS)})")
+    else:
+        name = "custom"
+    latency_us = 0.0 if latency_us is None else latency_us
+    _check_link(bandwidth_gbps, latency_us)
+    if _active is not None:
+        raise RuntimeError(f"a link is already emulated ({_active.link.name}); leave that block first")
+    emulator = LinkEmulator(Link(name, float(bandwidth_gbps), float(latency_us)), overlap=bool(overlap))
+    _active = emulator
+    try:
+        with events.listen(emulator, first=True):
+            yield emulator
+    finally:
+        _active = None

@@ -1,0 +1,198 @@
+"""The quiz banks obey the rules, and the quiz says right and wrong correctly.
+
+The rules are checked over every bank present in the package (banks are written on several
+branches): exactly the right answers marked, every distractor with its feedback, unique ids,
+numeric answers recomputed from memory_math, and the seed's two check-yourself questions word
+for word in the notebook that teaches each.
+"""
+
+import json
+
+import pytest
+
+from shardlab.course import quiz
+
+BANKS = sorted(quiz.bank_files())
+EVERY = [q for name in BANKS for q in quiz._load(name)[0]]
+SEED = {  # the seed's check-yourself questions, word for word, with the seed's answer
+    "Which state does ZeRO-1 shard?": ("03", "Only the optimizer state."),
+    "Why does FSDP use more communication than DDP?": (
+        "04", "It gathers the full weights for each unit during forward and backward, instead of "
+              "keeping a full copy on every GPU."),
+}
+MEMORY_UNITS = {"GB", "GiB", "MB", "MiB", "KB", "bytes", "B"}
+
+
+def test_the_course_banks_are_there():
+    assert {"01_memory_math", "02_data_parallel"} <= set(BANKS)
+    for name in BANKS:
+        data = json.loads(quiz.bank_files()[name].read_text())
+        if name != "final":
+            assert data["notebook"] == name, f"{name}.json names notebook {data['notebook']!r}"
+
+
+@pytest.mark.parametrize("q", EVERY, ids=lambda q: q.id)
+def test_exactly_the_right_answers_are_marked(q):
+    assert quiz.problems(q) == []
+    if q.kind == "numeric":
+        return
+    right = q.right_keys()
+    assert right and right <= set(q.choices)
+    assert set(q.feedback) == set(q.choices) - right, "every distractor, and only they, has feedback"
+    assert all(text.strip() for text in q.feedback.values())
+    if q.kind == "single":
+        assert isinstance(q.answer, str)
+
+
+@pytest.mark.parametrize("q", EVERY, ids=lambda q: q.id)
+def test_check_agrees_with_the_key(q):
+    if q.kind == "numeric":
+        assert quiz.check(q.id, q.answer).correct and quiz.check(q.id, q.answer + q.tolerance).correct
+        high = quiz.check(q.id, q.answer + q.tolerance + max(1, abs(q.answer)))
+        low = quiz.check(q.id, q.answer - q.tolerance - max(1, abs(q.answer)))
+        assert not high.correct and not low.correct
+        assert q.feedback.get("high", "") in high.text and q.feedback.get("low", "") in low.text
+        return
+    right = sorted(q.right_keys())
+    ok = quiz.check(q.id, right[0] if q.kind == "single" else right)
+    assert ok.correct and q.explanation in ok.text
+    for wrong in sorted(set(q.choices) - set(right)):
+        fb = quiz.check(q.id, wrong if q.kind == "single" else right + [wrong])
+        assert not fb.correct and q.feedback[wrong] in fb.text, f"{q.id}: choice {wrong}"
+    if q.kind == "multiple" and len(right) > 1:
+        assert not quiz.check(q.id, right[:-1]).correct  # a right choice left unticked
+
+
+def test_ids_are_unique_and_named_after_their_bank():
+    every = quiz.all_questions()  # raises on a duplicate id
+    assert len(every) == len(EVERY)
+    for q in EVERY:
+        if q.bank != "final":
+            assert q.id.startswith(q.bank.split("_")[0] + "."), q.id
+
+
+@pytest.mark.parametrize("name", [b for b in BANKS if b != "final"])
+def test_each_notebook_has_three_questions_beyond_the_seed(name):
+    qs = quiz.questions(name)
+    assert sum(not q.seed for q in qs) >= 3
+
+
+def test_banks_01_to_04_cover_the_course():
+    present = {b.split("_")[0] for b in BANKS}
+    if not {"01", "02", "03", "04"} <= present:
+        pytest.skip(f"banks 03/04 are written on another branch; present: {sorted(present)}")
+    assert sum(len(quiz.questions(b)) for b in ("01", "02", "03", "04")) >= 16
+
+
+@pytest.mark.parametrize("text", sorted(SEED))
+def test_seed_question_word_for_word_in_its_notebook(text):
+    home, seed_answer = SEED[text]
+    marked = [q for q in EVERY if q.seed]
+    assert all(q.question in SEED for q in marked), "a question marked seed must quote the seed exactly"
+    present = {b.split("_")[0] for b in BANKS}
+    if home not in present:
+        pytest.skip(f"bank {home} (the notebook that teaches it) is written on another branch")
+    found = [q for q in quiz.questions(home) if q.question == text]
+    assert len(found) == 1 and found[0].seed, f"{text!r} must be in bank {home}, marked seed"
+    assert seed_answer in found[0].explanation, "the seed's answer is the explanation"
+
+
+@pytest.mark.parametrize("q", [q for q in EVERY if q.kind == "numeric"], ids=lambda q: q.id)
+def test_numeric_answers_agree_with_memory_math(q):
+    if q.unit in MEMORY_UNITS:
+        assert q.source, f"{q.id}: a memory number must name its memory_math source"
+    if q.source is None:
+        pytest.skip("no memory_math source")
+    assert abs(quiz.recompute(q.source, q.unit) - q.answer) <= q.tolerance
+
+
+def test_recompute_reads_a_source():
+    assert quiz.recompute({"fn": "model_state_bytes", "args": [7e9, 8], "key": "zero3"}, "GB") == 14
+    src = {"fn": "model_state_breakdown", "args": [7e9, 8], "key": ["zero1", "optimizer"], "divide": 1e9}
+    assert quiz.recompute(src) == 10.5
+    with pytest.raises(ValueError, match="memory_math does not have"):
+        quiz.recompute({"fn": "no_such_fn"})
+
+
+def test_text_fallback_prints_and_answer_returns_the_verdict(monkeypatch, capsys):
+    monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
+    assert not quiz.use_widgets()
+    quiz.show("01")
+    out = capsys.readouterr().out
+    for q in quiz.questions("01"):
+        assert q.question in out and f"quiz.answer({q.id!r}" in out
+        for choice in q.choices.values():
+            assert choice in out
+    q = next(q for q in quiz.questions("01") if q.kind == "single")
+    wrong = sorted(set(q.choices) - {q.answer})[0]
+    assert quiz.answer(q.id, q.answer) is True
+    assert "✓" in capsys.readouterr().out
+    assert quiz.answer(q.id, wrong.upper()) is False  # keys are read case-insensitively
+    assert q.feedback[wrong] in capsys.readouterr().out
+
+
+def test_bad_answers_get_a_clear_error():
+    with pytest.raises(KeyError, match="no question"):
+        quiz.check("01.nope", "a")
+    with pytest.raises(ValueError, match="among"):
+        quiz.check("01.bytes_per_param", "z")
+    with pytest.raises(ValueError, match="wants a number"):
+        quiz.check("01.seven_b_zero3", "fourteen")
+    with pytest.raises(ValueError, match="no single quiz bank"):
+        quiz.questions("99")
+
+
+def test_the_rules_have_teeth():
+    good = quiz.questions("01")[0]
+    fields = {k: getattr(good, k) for k in good.__dataclass_fields__}
+    no_feedback = quiz.Question(**{**fields, "feedback": {}})
+    bad_key = quiz.Question(**{**fields, "answer": "z"})
+    assert quiz.problems(good) == []
+    assert any("feedback" in p for p in quiz.problems(no_feedback))
+    assert any("not among the choices" in p for p in quiz.problems(bad_key))
+
+
+def _bank(tmp_path, name, questions, **extra):
+    (tmp_path / f"{name}.json").write_text(json.dumps({"notebook": name, "questions": questions, **extra}))
+
+
+def test_final_quiz_draws_from_banks_and_keeps_score(tmp_path, monkeypatch, capsys):
+    q = {"id": "01.x", "kind": "single", "question": "Pick a.", "choices": {"a": "A", "b": "B"},
+         "answer": "a", "feedback": {"b": "not b"}, "explanation": "a it is"}
+    _bank(tmp_path, "01_memory_math", [q])
+    _bank(tmp_path, "final", [{**q, "id": "final.y"}], draw=["01.x"])
+    monkeypatch.setattr(quiz, "BANKS", tmp_path)
+    quiz.final(widgets=False)
+    assert "Pick a." in capsys.readouterr().out
+    assert quiz.answer("01.x", "b") is False and "Score: 0 / 2" in capsys.readouterr().out
+    assert quiz.answer("01.x", "a") is True and "Score: 1 / 2" in capsys.readouterr().out
+    assert quiz.answer("final.y", "a") is True and "Score: 2 / 2" in capsys.readouterr().out
+
+
+def test_a_broken_bank_names_the_problem(tmp_path, monkeypatch):
+    bad = {"id": "01.x", "kind": "single", "question": "?", "choices": {"a": "A", "b": "B"},
+           "answer": "c", "feedback": {"b": "no"}, "explanation": "e"}
+    _bank(tmp_path, "01_memory_math", [bad])
+    monkeypatch.setattr(quiz, "BANKS", tmp_path)
+    with pytest.raises(ValueError, match="01_memory_math.json: 01.x: answer key"):
+        quiz.questions("01")
+
+
+def test_widget_check_button_fills_the_feedback():
+    W = pytest.importorskip("ipywidgets")
+    from shardlab.course import quiz_widgets
+
+    qs = [q for q in quiz.questions("01") if q.kind == "single"][:1]
+    seen = []
+    box = quiz_widgets.build(qs, on_check=lambda q, fb: seen.append(fb.correct))
+    title, picker, button, feedback = box.children[0].children
+    assert isinstance(button, W.Button) and button.description == "Check"
+    assert "shardlab-quiz-feedback" in feedback._dom_classes
+    button.click()
+    assert "Pick an answer first" in feedback.value and seen == []
+    picker.value = sorted(set(qs[0].choices) - {qs[0].answer})[0]
+    button.click()
+    assert "✗" in feedback.value and seen == [False]
+    picker.value = qs[0].answer
+    button.click()
+    assert "✓" in feedback.value and seen == [False, True]
