@@ -29,6 +29,7 @@ def quick(tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=slowdown(120))
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "USDT" not in proc.stdout + proc.stderr  # no stray profiler lines (kineto's log)
     return json.loads((out / "bench.json").read_text()), proc.stdout, out, elapsed
 
 
