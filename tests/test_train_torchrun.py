@@ -7,6 +7,7 @@ processes, bit for bit (same ranks, same data rows, same reduction order).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import slowdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +73,18 @@ def test_single_process_runs_without_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 rank(s) on gloo" in out.stdout and "weights checksum" in out.stdout
     assert set(_load(tmp_path / "one.pt")) >= {"tok.weight", "head.weight"}
+
+
+def test_the_default_run_visibly_learns(tmp_path):
+    """With its defaults, `shardlab train` prints the loss every few steps and the loss falls
+    clearly: the counting data (models.counting_batch) is learnable, unlike random tokens."""
+    out = subprocess.run([sys.executable, "-m", "shardlab", "train"], env=_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=slowdown(120))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split("loss")[1].split()[0]) for line in out.stdout.splitlines() if " loss " in line]
+    assert len(losses) >= 5, out.stdout  # every few steps, not only the last
+    assert abs(losses[0] - math.log(128)) < 0.2  # starts at chance over the tiny GPT's 128 tokens
+    assert losses[-1] < 0.6 * losses[0], f"the loss did not fall clearly: {losses}"
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
