@@ -17,9 +17,9 @@ import time
 
 import psutil
 import pytest
-from conftest import slowdown
 
 import shardlab
+from conftest import slowdown
 from shardlab.cluster import ClusterError, CollectiveTimeout, RankTimeout
 
 _cells = itertools.count()
@@ -87,6 +87,7 @@ def cluster(shared):
     c = shared["cluster"]
     if c is None or c._stopped:
         c = shared["cluster"] = shardlab.start_cluster(4, timeout=TIMEOUT, quiet=True)
+        c.interrupt_grace = slowdown(5)  # an interrupted rank's time to answer, on a loaded machine
     c.run_cell("kept = rank")  # restarts the ranks first if a test killed one
     return c
 

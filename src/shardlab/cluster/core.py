@@ -26,7 +26,7 @@ from shardlab.cluster.processes import (
     _processes,
     _routable_host,
 )
-from shardlab.cluster.runs import _Runs
+from shardlab.cluster.runs import _INTERRUPT_GRACE, _Runs
 from shardlab.cluster.shipping import _references
 
 #: Ranks beyond this many per CPU core only queue for the CPU; start_cluster refuses them.
@@ -91,6 +91,8 @@ class Cluster(_Runs):
         self.quiet = quiet
         #: True shows the runtime's own frames in errors (also: environment SHARDLAB_DEBUG=1)
         self.debug = False
+        #: seconds an interrupted rank has to answer before it is killed (restarted next run)
+        self.interrupt_grace = _INTERRUPT_GRACE
         self.start_seconds: float | None = None
         self.pids: list[int] = []
         self._ipp = None  # ipyparallel.Cluster

@@ -23,14 +23,15 @@ from shardlab.cluster.errors import _died, _explain, _interrupted
 from shardlab.cluster.on_rank import _on_rank
 from shardlab.cluster.processes import _exit_codes
 
-#: Seconds to wait, after the run deadline, for an interrupted rank to give control back.
-_INTERRUPT_GRACE = 3.0
+#: Seconds to wait, after an interrupt, for a rank to give control back before it is killed
+#: (the default of a cluster's ``interrupt_grace``; a loaded machine may need more).
+_INTERRUPT_GRACE = 5.0
 
 
 class _Runs:
     """The run machinery of :class:`~shardlab.cluster.Cluster` (its only subclass), kept apart
     from starting and stopping. Uses the cluster's ``_client``, ``_ids``, ``pids``, ``engines``,
-    ``timeout``, ``world_size``, ``quiet``, ``debug``, the two repair flags, ``restart()``,
+    ``timeout``, ``world_size``, ``quiet``, ``debug``, ``interrupt_grace``, the two repair flags, ``restart()``,
     ``_init_group()`` and ``_kill_engines()``.
     """
 
@@ -64,7 +65,7 @@ class _Runs:
         hung = [r for r, o in enumerate(outcomes) if o is None]
         if hung:
             self._interrupt(hung)
-            outcomes = self._collect(results, time.monotonic() + _INTERRUPT_GRACE, outcomes)
+            outcomes = self._collect(results, time.monotonic() + self.interrupt_grace, outcomes)
         self._show(outcomes, show_values)
         failures = {r: o for r, o in enumerate(outcomes) if o is None or not o.get("ok")}
         if not failures:
@@ -87,7 +88,7 @@ class _Runs:
         self._interrupt(ranks)
         self._group_dirty = True
         try:
-            late = self._collect(results, time.monotonic() + _INTERRUPT_GRACE)
+            late = self._collect(results, time.monotonic() + self.interrupt_grace)
         except KeyboardInterrupt:  # pressed twice: do not wait
             late = [None] * len(results)
         stuck = [r for r, o in enumerate(late) if o is None]
