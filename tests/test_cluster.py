@@ -332,6 +332,7 @@ def test_a_dead_rank_is_reported_and_the_cluster_restarts(cluster, capsys):
         cluster.quiet = True
     assert "restarting the ranks" in capsys.readouterr().out
     assert not set(old_pids) & set(cluster.pids)
+    assert shardlab.cluster.current() is cluster  # %%ranks still talks to it after the restart
     assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 

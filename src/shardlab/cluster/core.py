@@ -183,13 +183,20 @@ class Cluster(_Runs):
         return infos
 
     def restart(self) -> Cluster:
-        """Stop every engine and start fresh ones (variables on the ranks are lost)."""
+        """Stop every engine and start fresh ones (variables on the ranks are lost).
+
+        The cluster stays the one ``%%ranks`` talks to, if it was (a dead rank restarts it)."""
+        global _current
+        was_current = _current is self
         quiet, self.quiet = self.quiet, True
         try:
             self.stop()
         finally:
             self.quiet = quiet
-        return self.start()
+        self.start()
+        if was_current:
+            _current = self
+        return self
 
     def stop(self) -> None:
         """Stop the engines and the controller, and make sure every one of their processes is gone."""
