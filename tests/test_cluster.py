@@ -289,7 +289,9 @@ def test_the_notebooks_stop_button_stops_the_ranks_too(cluster, tmp_path):
     assert info.value._render_traceback_() == [str(info.value)]  # what the notebook shows
     t0 = time.perf_counter()
     assert cluster.run(lam("lambda: kept")) == [0, 1, 2, 3]  # the same ranks, state kept
-    assert time.perf_counter() - t0 < slowdown(2)
+    # Not queued behind the 60 s sleep: only the process group's rebuild (~0.1 s when quiet,
+    # seconds on a loaded machine) comes before it.
+    assert time.perf_counter() - t0 < slowdown(10)
 
 
 def test_many_runs_and_failures_hold_no_extra_processes_or_ports(cluster):
