@@ -31,8 +31,8 @@ _INTERRUPT_GRACE = 5.0
 class _Runs:
     """The run machinery of :class:`~shardlab.cluster.Cluster` (its only subclass), kept apart
     from starting and stopping. Uses the cluster's ``_client``, ``_ids``, ``pids``, ``engines``,
-    ``timeout``, ``world_size``, ``quiet``, ``debug``, ``interrupt_grace``, the two repair flags, ``restart()``,
-    ``_init_group()`` and ``_kill_engines()``.
+    ``timeout``, ``world_size``, ``quiet``, ``debug``, ``interrupt_grace``, the two repair
+    flags, ``restart()``, ``_init_group()`` and ``_kill_engines()``.
     """
 
     def _ready(self) -> None:
