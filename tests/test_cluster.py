@@ -282,8 +282,8 @@ def test_the_notebooks_stop_button_stops_the_ranks_too(cluster, tmp_path):
     sleep = lam(f"lambda: open(__import__('os').path.join({str(tmp_path)!r}, str(rank)), 'w').close()"
                 " or __import__('time').sleep(60)")
     t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt) as info:
-        cluster.run(sleep)
+    with pytest.raises(KeyboardInterrupt) as info:  # only the stop button may end this run:
+        cluster.run(sleep, timeout=slowdown(60))      # not the run's own deadline, on a slow start
     assert time.perf_counter() - t0 < slowdown(30) + slowdown(4), "the ranks were not interrupted"
     assert str(info.value) == "interrupted on ranks 0\u20133; the cluster is ready"
     assert info.value._render_traceback_() == [str(info.value)]  # what the notebook shows
