@@ -278,12 +278,18 @@ def test_the_notebooks_stop_button_stops_the_ranks_too(cluster, tmp_path):
         time.sleep(0.3)
         _thread.interrupt_main()
 
+    # interrupt_main only raises KeyboardInterrupt under Python's own SIGINT handler, which a
+    # kernel has while a cell runs; an earlier test in the same process may have replaced it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=press_stop_once_all_ranks_sleep, daemon=True).start()
     sleep = lam(f"lambda: open(__import__('os').path.join({str(tmp_path)!r}, str(rank)), 'w').close()"
                 " or __import__('time').sleep(60)")
     t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt) as info:  # only the stop button may end this run:
-        cluster.run(sleep, timeout=slowdown(60))      # not the run's own deadline, on a slow start
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:  # only the stop button may end this run:
+            cluster.run(sleep, timeout=slowdown(60))      # not the run's own deadline, on a slow start
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - t0 < slowdown(30) + slowdown(4), "the ranks were not interrupted"
     assert str(info.value) == "interrupted on ranks 0\u20133; the cluster is ready"
     assert info.value._render_traceback_() == [str(info.value)]  # what the notebook shows
