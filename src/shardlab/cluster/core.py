@@ -116,9 +116,11 @@ class Cluster(_Runs):
         _clusters.add(self)
         self._profile_dir = tempfile.mkdtemp(prefix="shardlab-ipp-")
         config = _launch_config(self.engines, self._profile_dir, self.launcher_config)
-        # Two phases of world_size steps each; the label says which (no bare "0/8").
+        # Two phases of world_size steps each; the label says which (no bare "0/8"). The bar
+        # stays (leave=True): closing a notebook bar's widget races its display ("Error
+        # displaying widget: model not found"). The time taken is in the repr, not here.
         bar = tqdm(total=2 * self.world_size, desc=_phase(self.world_size, 0, 0), disable=self.quiet,
-                   leave=False, bar_format="{desc}  {bar} {elapsed}")
+                   leave=True, bar_format="{desc}  {bar}")
         try:
             self._ipp = ipp.Cluster(
                 n=self.world_size, engines=self.engines, profile_dir=self._profile_dir,
