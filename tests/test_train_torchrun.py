@@ -141,6 +141,10 @@ def test_destroy_process_group_stops_gloos_threads():
         init_rank(0, 1, dist.HashStore(), "gloo", 30, 1)
         p = torch.nn.Parameter(torch.ones(3))
         torch.optim.AdamW([p])                     # what every training script does
+        import time
+        deadline = time.monotonic() + 30           # threads take their names once running
+        while not any("gloo" in t for t in threads()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert any("gloo" in t for t in threads()), threads()
         dist.destroy_process_group()
         print("left:", [t for t in threads() if "gloo" in t])
