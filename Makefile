@@ -7,9 +7,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# torch is installed before the package so that its range (torch>=2.9) is already met.
-# On a Linux laptop without a GPU, keep the CPU wheel small with:
-#   make test TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu
+# torch is installed before the package so that its range (torch>=2.9) is already met, by
+# scripts/install_torch.py: the CPU build when there is no NVIDIA GPU, an installed torch left
+# alone, one line saying which. TORCH_INDEX (pip arguments) overrides the choice, e.g.
+#   make test TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
 TORCH       ?= torch>=2.9
 TORCH_INDEX ?=
 
@@ -18,16 +19,20 @@ TORCH_INDEX ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH_INDEX) "$(TORCH)"
+# jupyter/ holds JupyterLab settings for a quiet start (see jupyter/README.md); copied into the venv.
+$(VENV)/.installed: pyproject.toml scripts/install_torch.py $(shell find jupyter -type f) | $(BIN)/python
+	@$(BIN)/python scripts/install_torch.py --spec "$(TORCH)" --index "$(TORCH_INDEX)"
 	$(BIN)/pip install -e ".[dev]"
+	cp -R jupyter/etc jupyter/share $(VENV)/
 	touch $@
 
 # Jupyter refuses to run as root (containers, cloud shells) unless told it may.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# The file browser shows the whole course (rooted here); notebook 00 opens first.
 lab: $(VENV)/.installed
-	$(BIN)/jupyter lab $(LAB_FLAGS) notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab $(LAB_FLAGS) --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests notebooks labs --nbval-lax --nbval-cell-timeout=120
@@ -39,4 +44,4 @@ figures: $(VENV)/.installed
 	$(BIN)/python -m shardlab figures
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache test-artifacts

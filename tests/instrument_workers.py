@@ -109,7 +109,9 @@ def measured(world_size: int) -> list[list[dict]]:
     configs = [dict(stage=s) for s in range(4)]
     if world_size == 2:
         configs += [dict(stage=3, prefetch=False)] + [dict(stage=s, checkpointing=True) for s in range(4)]
-    return run_ranks(measure_all, world_size, configs, timeout=120)
+    from conftest import slowdown  # in the parent only (ranks import this module too)
+
+    return run_ranks(measure_all, world_size, configs, timeout=slowdown(120))
 
 
 def saved_bytes_single_process(checkpointing: bool) -> dict:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import slowdown
 from shardlab.bench import configs as bench_configs
 from shardlab.bench import report as bench_report
 from shardlab.bench import run as bench
@@ -25,15 +26,16 @@ def quick(tmp_path_factory):
     cmd = [sys.executable, "-m", "shardlab", "bench", "--quick", "--quiet",
            "--json", str(out / "bench.json"), "--plot", str(out / "bench.png")]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=slowdown(120))
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "USDT" not in proc.stdout + proc.stderr  # no stray profiler lines (kineto's log)
     return json.loads((out / "bench.json").read_text()), proc.stdout, out, elapsed
 
 
 def test_quick_runs_fast_and_prints_the_table(quick):
     result, stdout, out, elapsed = quick
-    assert elapsed < 40, f"--quick took {elapsed:.0f} s; CI allows 40"
+    assert elapsed < slowdown(40), f"--quick took {elapsed:.0f} s; allowed {slowdown(40):.0f}"
     assert "| configuration |" in stdout and "OK: same work" in stdout
     assert (out / "bench.png").stat().st_size > 10_000
     assert list(result["rows"]) == [c.name for c in bench_configs.CONFIGS]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import workers
+from conftest import slowdown
 
 from shardlab.launch import run_ranks
 
@@ -29,7 +30,7 @@ def max_diff(a: dict, b: dict) -> float:
 def test_stages_match_single_process(world_size, parity_log):
     configs = [dict(kind=kind, stage=stage, optimizer=opt)
                for kind in ("gpt", "mlp") for opt in ("adamw", "sgd") for stage in range(4)]
-    results = run_ranks(workers.train_many, world_size, configs, timeout=240)
+    results = run_ranks(workers.train_many, world_size, configs, timeout=slowdown(240))
     for i, cfg in enumerate(configs):
         ref, _ = workers.reference(cfg["kind"], cfg["optimizer"], world_size, steps=3)
         diffs = [max_diff(results[r][i][0], ref) for r in range(world_size)]
@@ -54,7 +55,7 @@ def test_stage3_variants_and_mixed_precision(parity_log):
         *[dict(stage=s, mixed_precision=torch.bfloat16) for s in range(4)],
         *[dict(stage=s, mixed_precision=torch.bfloat16, optimizer="sgd") for s in (0, 3)],
     ]
-    results = run_ranks(workers.train_many, world_size, configs, timeout=240)
+    results = run_ranks(workers.train_many, world_size, configs, timeout=slowdown(240))
     for i, cfg in enumerate(configs):
         optimizer = cfg.get("optimizer", "adamw")
         ref, _ = workers.reference(cfg.get("kind", "gpt"), optimizer, world_size, steps=3)
@@ -72,7 +73,7 @@ def test_frozen_params_and_different_initial_weights():
     world_size = 2
     freeze = ("pos", "blocks.0.ln1")
     configs = [dict(stage=s, different_init=True, freeze=freeze, optimizer="sgd") for s in range(4)]
-    results = run_ranks(workers.train_many, world_size, configs, timeout=120)
+    results = run_ranks(workers.train_many, world_size, configs, timeout=slowdown(120))
     ref, _ = workers.reference("gpt", "sgd", world_size, steps=3, seed=1, freeze=freeze)  # rank 0: seed 0 + 1
     start = workers.make_model("gpt", 1).state_dict()
     for i in range(len(configs)):
@@ -87,7 +88,7 @@ def test_frozen_params_and_different_initial_weights():
 def test_no_sync_accumulation_equals_one_double_batch():
     world_size = 2
     configs = [dict(stage=s, accumulate=True, optimizer=o) for s in range(4) for o in ("sgd", "adamw")]
-    results = run_ranks(workers.train_many, world_size, configs, timeout=120)
+    results = run_ranks(workers.train_many, world_size, configs, timeout=slowdown(120))
     for i, cfg in enumerate(configs):
         ref, _ = workers.reference("gpt", cfg["optimizer"], world_size, steps=3)
         assert max_diff(results[0][i][0], ref) < FP32_TOL, cfg
@@ -96,7 +97,7 @@ def test_no_sync_accumulation_equals_one_double_batch():
 def test_clip_grad_norm_is_the_unsharded_norm():
     world_size = 3
     configs = [dict(kind="mlp", stage=s, optimizer="sgd", clip=0.05) for s in range(4)]
-    results = run_ranks(workers.train_many, world_size, configs, timeout=120)
+    results = run_ranks(workers.train_many, world_size, configs, timeout=slowdown(120))
     ref, ref_norms = workers.reference("mlp", "sgd", world_size, steps=3, clip=0.05)
     assert min(ref_norms) > 0.05  # the clip really bites
     for i in range(len(configs)):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import shardlab
+from conftest import slowdown
 from shardlab import launch
 from shardlab.engine import events
 from shardlab.instruments.link import LINKS, Link, LinkEmulator, emulate_link, link_delay
@@ -98,7 +99,7 @@ def test_the_link_carries_one_transfer_at_a_time():
         events.emit("comm_done", **b, end=time.perf_counter())
         elapsed = time.perf_counter() - t0
     assert em.ops == 2 and em.link_time_s == pytest.approx(0.1)
-    assert 0.09 <= elapsed < 0.5  # the second waited for the first
+    assert 0.09 <= elapsed < slowdown(0.5)  # the second waited for the first
 
 
 def timed_all_gather(bandwidth_gbps: float):
@@ -126,7 +127,7 @@ def test_a_real_collective_is_slowed_then_restored():
     bw = 0.05  # Gbit/s: 1 MB sent per rank -> 0.16 s
     expected = link_delay("all_gather", 500_000, 4, 2, bw, 0.0)
     assert expected == pytest.approx(0.16)
-    for before, during, after, slept, still_listening, booked in launch.run_ranks(timed_all_gather, 2, bw, timeout=90):
+    for before, during, after, slept, still_listening, booked in launch.run_ranks(timed_all_gather, 2, bw, timeout=slowdown(90)):
         assert during >= 0.95 * expected and during > before + 0.1
         assert booked >= 0.95 * expected  # instruments see the slow link's completion time
         assert slept > 0.1

@@ -160,6 +160,19 @@ def test_cli_prints_the_papers_numbers(capsys):
         assert number in out
 
 
+def test_cli_shows_the_papers_volume_and_the_rings_bytes_apart(capsys):
+    """2Ψ x 2 bytes = 28 GB is the paper's volume; a ring sends (N-1)/N of it: 24.5 GB at N=8."""
+    assert mm.main(["--params", "7e9", "--gpus", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("stage"))
+    assert header.split() == ["stage", "formula", "GB", "GiB", "volume", "(paper)", "ring", "GB", "per", "rank"]
+    ddp = next(line for line in lines if line.startswith("DDP"))
+    assert "2Ψ = 28.000 GB" in ddp and ddp.split()[-1] == "24.500"
+    zero3 = next(line for line in lines if line.startswith("ZeRO-3"))
+    assert "3Ψ = 42.000 GB" in zero3 and zero3.split()[-1] == "36.750"
+    assert any("7/8 x volume" in line for line in lines)
+
+
 def test_cli_json(capsys):
     assert mm.main(["--params", "7.5B", "--gpus", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import slowdown
 from shardlab.bench import slow_link
 
 SLOW = "0.01:0"  # 10 Mbit/s: ~0.1 s a step for the tiny GPT, ~10x its compute
@@ -26,7 +27,7 @@ def result(tmp_path_factory):
     cmd = [sys.executable, "-m", "shardlab", "slow-link", "--model", "tiny", "--steps", "2", "--warmup", "1",
            "--links", f"none,{SLOW}", "--quiet", "--json", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=slowdown(120))
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout, elapsed
@@ -39,7 +40,7 @@ def _row(result, stage, link, overlap="off"):
 
 def test_runs_fast_and_prints_the_table(result):
     res, stdout, elapsed = result
-    assert elapsed < 30, f"slow-link smoke run took {elapsed:.0f} s; CI allows 30"
+    assert elapsed < slowdown(30), f"slow-link smoke run took {elapsed:.0f} s; allowed {slowdown(30):.0f}"
     assert "| link | stage |" in stdout and "stage 3 pays" in stdout
     assert "Nothing hidden, on" in stdout and "With overlap, on" in stdout
     keys = {(r["stage"], r["link"], r["overlap"]) for r in res["rows"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch_workers
+from conftest import slowdown
 from test_engine_parity import FP32_TOL, max_diff
 
 from shardlab.launch import run_ranks
@@ -23,7 +24,7 @@ PAIRS = [
 def test_matches_pytorch(optimizer, parity_log):
     world_size = 3  # uneven: every flat buffer and every FSDP2 shard is padded
     pairs = [({**ours, "optimizer": optimizer}, {**theirs, "optimizer": optimizer}) for _, ours, theirs in PAIRS]
-    results = run_ranks(torch_workers.shardlab_and_torch, world_size, pairs, timeout=240)
+    results = run_ranks(torch_workers.shardlab_and_torch, world_size, pairs, timeout=slowdown(240))
     for (label, _, _), (ours, theirs) in zip(PAIRS, results[0]):
         diff = max_diff(ours, theirs)
         parity_log(f"ws=3 {optimizer:5} {label}", diff)

@@ -7,19 +7,23 @@ processes, bit for bit (same ranks, same data rows, same reduction order).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import slowdown
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAIN = ["-m", "shardlab.train", "--size", "tiny", "--stage", "3", "--steps", "3", "--seed", "7",
-         "--timeout", "60"]
+         "--timeout", str(int(slowdown(60)))]
 
 
 def _env() -> dict:
@@ -34,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
+def _run(procs: list[subprocess.Popen], timeout: float = slowdown(150)) -> list[str]:
     """Wait for every process; on timeout or failure kill them all and show their output."""
     outs = []
     try:
@@ -65,10 +69,22 @@ def test_single_process_runs_without_torchrun(tmp_path):
     """`python -m shardlab train` alone is a world of one: same engine, no launcher needed."""
     out = subprocess.run([sys.executable, "-m", "shardlab", "train", "--size", "tiny", "--stage", "2",
                           "--steps", "2", "--save", str(tmp_path / "one.pt")],
-                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=slowdown(120))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 rank(s) on gloo" in out.stdout and "weights checksum" in out.stdout
     assert set(_load(tmp_path / "one.pt")) >= {"tok.weight", "head.weight"}
+
+
+def test_the_default_run_visibly_learns(tmp_path):
+    """With its defaults, `shardlab train` prints the loss every few steps and the loss falls
+    clearly: the counting data (models.counting_batch) is learnable, unlike random tokens."""
+    out = subprocess.run([sys.executable, "-m", "shardlab", "train"], env=_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=slowdown(120))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split("loss")[1].split()[0]) for line in out.stdout.splitlines() if " loss " in line]
+    assert len(losses) >= 5, out.stdout  # every few steps, not only the last
+    assert abs(losses[0] - math.log(128)) < 0.2  # starts at chance over the tiny GPT's 128 tokens
+    assert losses[-1] < 0.6 * losses[0], f"the loss did not fall clearly: {losses}"
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
@@ -111,3 +127,29 @@ def test_nccl_on_gpus_matches_gloo_on_cpu(tmp_path):
     a, b = _load(gpu), _load(cpu)
     for name in a:  # different kernels, so close rather than bit-identical
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_destroy_process_group_stops_gloos_threads():
+    """Regression: creating an optimizer imports torch._dynamo, which, imported after the group
+    exists, holds the group past destroy_process_group; its gloo threads then die only in the C++
+    static destructors at exit, which aborted a rank now and then ("terminate called without an
+    active exception"). launch.init_rank imports it first; destroying the group stops the threads."""
+    code = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        from shardlab.launch import init_rank
+        threads = lambda: [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        init_rank(0, 1, dist.HashStore(), "gloo", 30, 1)
+        p = torch.nn.Parameter(torch.ones(3))
+        torch.optim.AdamW([p])                     # what every training script does
+        import time
+        deadline = time.monotonic() + 30           # threads take their names once running
+        while not any("gloo" in t for t in threads()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("gloo" in t for t in threads()), threads()
+        dist.destroy_process_group()
+        print("left:", [t for t in threads() if "gloo" in t])
+        """)
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                          timeout=slowdown(120))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "left: []" in done.stdout, done.stdout

@@ -14,6 +14,7 @@ so that it never hangs and never leaves processes behind:
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import queue
@@ -46,6 +47,13 @@ def init_rank(rank: int, world_size: int, store=None, backend: str = "gloo", tim
     """
     if threads is not None:
         torch.set_num_threads(threads)
+    # Import torch._dynamo before the group exists. Every torch optimizer imports it on first
+    # use, and importing it takes references to the default group that destroy_process_group
+    # does not drop: the group, and gloo's threads, then outlive it and are torn down only by
+    # the C++ static destructors at exit, which can abort the process ("terminate called
+    # without an active exception") after training has finished. Imported first, nothing holds
+    # the group, and destroy_process_group stops its threads.
+    importlib.import_module("torch._dynamo")
     device = torch.device("cpu")
     if backend == "nccl":
         if local_rank is None:

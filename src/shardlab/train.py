@@ -36,9 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3],
                    help="0 = DDP, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 / FSDP (default 3)")
     p.add_argument("--size", default="tiny", choices=sorted(models.SIZES), help="demo GPT size (default tiny)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default 16)")
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    p.add_argument("--data", default="count", choices=["count", "random"],
+                   help="count: rows that count up by 1, 2 or 3, which the model visibly learns "
+                        "(default); random: random tokens, nothing to learn (a timing load)")
     p.add_argument("--seed", type=int, default=0, help="seed for the weights and the data (default 0)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="fix the global batch instead (sequences per step over all ranks); then "
@@ -106,18 +109,18 @@ def train(args) -> dict:
         mixed_precision=torch.bfloat16 if args.bf16 else None)
     say(f"shardlab train: GPT {args.size} ({n_params / 1e6:.2f} M params), stage {args.stage}, "
         f"{world_size} rank(s) on {dist.get_backend()} ({device.type}), "
-        f"{args.batch_size} x {cfg.seq} tokens per rank, {args.steps} steps, seed {args.seed}")
+        f"{args.batch_size} x {cfg.seq} tokens per rank ({args.data} data), {args.steps} steps, seed {args.seed}")
     log_every = args.log_every or max(1, args.steps // 10)
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     for step in range(1, args.steps + 1):
-        x, y = models.batch(cfg, args.batch_size, seed=args.seed * 1_000_003 + step,
-                            rank=rank, world_size=world_size)
+        make = models.counting_batch if args.data == "count" else models.batch
+        x, y = make(cfg, args.batch_size, seed=args.seed * 1_000_003 + step, rank=rank, world_size=world_size)
         loss = models.lm_loss(model(x.to(device)), y.to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step % log_every == 0 or step == args.steps:
+        if step == 1 or step % log_every == 0 or step == args.steps:
             loss_sum.copy_(loss.detach())
             comm.all_reduce(loss_sum)  # SUM, then divide: the mean loss of the global batch
             say(f"step {step:>5}/{args.steps}  loss {loss_sum.item() / world_size:.4f}  "

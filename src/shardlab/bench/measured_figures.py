@@ -72,14 +72,15 @@ def _short(unit):
 
 def timeline_figure(events: list[dict], prefetch: bool, size: str = MODEL):
     """The traced step as a Gantt chart, titled with what it shows."""
-    how = ("with prefetch\nthe next unit's all-gather is issued before this unit computes, and runs under it"
-           if prefetch else "without prefetch\ncompute waits for each unit's all-gather")
+    how = "with prefetch" if prefetch else "without prefetch"
     # No step time in the title: one step on a shared CPU is noise, and on loopback gloo's
     # transfers use the same cores as compute, so prefetch need not shorten it (slow-link does).
-    title = (f"FSDP (stage 3), {size} GPT, {1 + max(e['rank'] for e in events)} ranks: one step {how}\nb0-b3 = blocks.0-3; root = embeddings, final norm, head "
-             "(its bar contains the blocks'); comm bars run from issue to wait")
-    fig = plots.timeline([dict(e, name=_short(e.get("unit"))) for e in events], title=title)
-    fig.axes[0].title.set_fontsize(10)
+    title = f"FSDP (stage 3), {size} GPT, {1 + max(e['rank'] for e in events)} ranks: one step {how}"
+    why = ("the next unit's all-gather is\nissued before this unit computes,\nand runs under it" if prefetch
+           else "compute waits for each\nunit's all-gather")
+    note = (f"{why}\n\nb0-b3 = blocks.0-3\nroot = embeddings, final norm,\nhead (its bar contains the\nblocks')\n"
+            "comm bars run from issue\nto wait")
+    fig = plots.timeline([dict(e, name=_short(e.get("unit"))) for e in events], title=title, note=note)
     return fig
 
 

@@ -26,7 +26,7 @@ from shardlab.cluster.processes import (
     _processes,
     _routable_host,
 )
-from shardlab.cluster.runs import _Runs
+from shardlab.cluster.runs import _INTERRUPT_GRACE, _Runs
 from shardlab.cluster.shipping import _references
 
 #: Ranks beyond this many per CPU core only queue for the CPU; start_cluster refuses them.
@@ -49,6 +49,15 @@ def _pick_backend(backend: str, world_size: int) -> str:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     return backend
+
+
+def _phase(world_size: int, up: int, joined: int) -> str:
+    """The start-up bar's label: engines coming up, then ranks joining the process group."""
+    if up < world_size:
+        return f"starting {world_size} ranks: {up}/{world_size} engines up"
+    if joined < world_size:
+        return f"starting {world_size} ranks: {world_size} engines up, {joined}/{world_size} joined the process group"
+    return f"starting {world_size} ranks: {world_size} engines up, process group joined"
 
 
 class Cluster(_Runs):
@@ -80,6 +89,10 @@ class Cluster(_Runs):
         self.host = host or ("127.0.0.1" if engines == "local" else _routable_host())
         self.launcher_config = launcher_config or {}
         self.quiet = quiet
+        #: True shows the runtime's own frames in errors (also: environment SHARDLAB_DEBUG=1)
+        self.debug = False
+        #: seconds an interrupted rank has to answer before it is killed (restarted next run)
+        self.interrupt_grace = _INTERRUPT_GRACE
         self.start_seconds: float | None = None
         self.pids: list[int] = []
         self._ipp = None  # ipyparallel.Cluster
@@ -94,7 +107,7 @@ class Cluster(_Runs):
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        """Start the engines and join them in a process group (progress bar, then its duration)."""
+        """Start the engines and join them in a process group, with a progress bar for both."""
         import ipyparallel as ipp
         from tqdm.auto import tqdm
 
@@ -103,8 +116,11 @@ class Cluster(_Runs):
         _clusters.add(self)
         self._profile_dir = tempfile.mkdtemp(prefix="shardlab-ipp-")
         config = _launch_config(self.engines, self._profile_dir, self.launcher_config)
-        bar = tqdm(total=2 * self.world_size, desc=f"starting {self.world_size} ranks",
-                   disable=self.quiet, leave=False)
+        # Two phases of world_size steps each; the label says which (no bare "0/8"). The bar
+        # stays (leave=True): closing a notebook bar's widget races its display ("Error
+        # displaying widget: model not found"). The time taken is in the repr, not here.
+        bar = tqdm(total=2 * self.world_size, desc=_phase(self.world_size, 0, 0), disable=self.quiet,
+                   leave=True, bar_format="{desc}  {bar}")
         try:
             self._ipp = ipp.Cluster(
                 n=self.world_size, engines=self.engines, profile_dir=self._profile_dir,
@@ -118,6 +134,7 @@ class Cluster(_Runs):
             deadline = time.monotonic() + self.start_timeout
             while len(self._client.ids) < self.world_size:
                 if len(self._client.ids) != bar.n:
+                    bar.set_description_str(_phase(self.world_size, len(self._client.ids), 0))
                     bar.update(len(self._client.ids) - bar.n)
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -125,6 +142,7 @@ class Cluster(_Runs):
                         f"{self.start_timeout:.0f} s; the machine may be overloaded. Retry with a "
                         f"smaller world_size or a larger start_timeout. Engine logs: {self._profile_dir}/log")
                 time.sleep(0.05)
+            bar.set_description_str(_phase(self.world_size, self.world_size, 0))
             bar.update(self.world_size - bar.n)
             self._ids = sorted(self._client.ids)[: self.world_size]
             self.pids = [info["pid"] for info in self._init_group(progress=bar)]
@@ -135,8 +153,7 @@ class Cluster(_Runs):
         bar.close()
         self._needs_restart = False
         self.start_seconds = time.perf_counter() - t0
-        if not self.quiet:
-            print(f"{self}: ready in {self.start_seconds:.1f} s")
+        # No "ready" line: the cluster's repr says it, once (a notebook cell shows the repr).
         return self
 
     def _init_group(self, progress=None) -> list[dict]:
@@ -162,14 +179,17 @@ class Cluster(_Runs):
                 raise RuntimeError(
                     f"rank {rank} could not join the {self.backend} process group: {exc}") from exc
             if progress is not None:
+                progress.set_description_str(_phase(self.world_size, self.world_size, rank + 1))
                 progress.update(1)
         self._group_dirty = False
         return infos
 
     def restart(self) -> Cluster:
-        """Stop every engine and start fresh ones (variables on the ranks are lost)."""
+        """Stop every engine and start fresh ones (variables on the ranks are lost).
+
+        The cluster stays the one ``%%ranks`` talks to, if it was (a dead rank restarts it)."""
         global _current
-        was_current = _current is self  # stop() forgets the current cluster; %%ranks needs it back
+        was_current = _current is self
         quiet, self.quiet = self.quiet, True
         try:
             self.stop()
@@ -212,6 +232,8 @@ class Cluster(_Runs):
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else ("needs restart" if self._needs_restart else "running")
+        if state == "running" and self.start_seconds is not None:
+            state += f", ready in {self.start_seconds:.1f} s"
         device = "GPU" if self.backend == "nccl" else "CPU"
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r} ({device}), {state})"
 

@@ -19,9 +19,12 @@ def _register_magic() -> None:
     def ranks(line, cell):
         """%%ranks [timeout]: run this cell on every rank of the current cluster; output by rank."""
         timeout = float(line) if line.strip() else None
-        _, error = current()._submit("cell", cell, (), {}, {}, {}, timeout, show_values=True)
+        # Named as Jupyter names the cell, body from line 2: a rank's traceback shows
+        # "Cell In[10], line 3" and the line, as a failing ordinary cell would.
+        name = f"Cell In[{getattr(shell, 'execution_count', '?')}]"
+        _, error = current()._submit("cell", (cell, name, 2), (), {}, {}, {}, timeout, show_values=True)
         if error is not None:
-            raise error  # the notebook's traceback ends here, not deep in the runtime
+            raise error  # shown by the error's own _render_traceback_: the cell, not the runtime
 
     shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
     shell._shardlab_magic = True

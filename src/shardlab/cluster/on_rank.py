@@ -86,17 +86,22 @@ def _drop_process_group() -> None:
 
 
 def _failure(exc: BaseException) -> dict:
-    """Describe an exception as plain data: the kernel formats it (it has the cells' source)."""
+    """Describe an exception as plain data: the kernel formats it (it has the cells' source).
+
+    Every frame travels, each marked hidden or not: the runtime's own (``shardlab/cluster/``)
+    and torch's insides are hidden unless the kernel asks for debugging.
+    """
     import torch
 
-    hidden = (__file__, os.path.dirname(torch.__file__) + os.sep)  # this file, torch's insides
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f.filename != hidden[0] and not f.filename.startswith(hidden[1])]
+    hidden = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(torch.__file__) + os.sep)
+    frames = traceback.extract_tb(exc.__traceback__)
     text = f"{type(exc).__name__}: {exc}"
     return {
         "type": type(exc).__name__,
         "message": str(exc),
-        "frames": [(f.filename, f.lineno, f.name, f.line) for f in frames],
+        "frames": [(f.filename, f.lineno, f.name, f.line,
+                    os.path.abspath(f.filename).startswith(hidden)) for f in frames],
         "timeout": "timed out" in text.lower(),
         "peer": any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
                                         "Broken pipe", "DistBackendError")),
@@ -133,12 +138,19 @@ def _on_rank(kind: str, payload, args=(), kwargs=None, imports=None, defs=None) 
     return result
 
 
-def _exec_cell(source: str, ns: dict) -> tuple[bool, object]:
-    """Run a cell like IPython does: statements, then the value of a final expression, if any."""
+def _exec_cell(cell, ns: dict) -> tuple[bool, object]:
+    """Run a cell like IPython does: statements, then the value of a final expression, if any.
+
+    ``cell`` is the source, or ``(source, name, first_line)``: %%ranks sends the notebook's
+    name for the cell (``Cell In[10]``) and the line its body starts on (2, after the magic),
+    so that tracebacks point at the lines the learner sees.
+    """
+    source, name, first_line = cell if isinstance(cell, tuple) else (cell, None, 1)
     shell = _shell()
     if shell is not None:
         source = shell.transform_cell(source)  # %magics and !shell lines work in %%ranks cells
-    filename = f"<%%ranks cell {next(_cell_numbers)}>"
+    source = "\n" * (first_line - 1) + source
+    filename = name or f"<%%ranks cell {next(_cell_numbers)}>"
     # Keep the source so that tracebacks on this rank show the failing line.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     tree = ast.parse(source, filename=filename)

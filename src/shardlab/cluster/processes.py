@@ -13,15 +13,17 @@ import os
 import sys
 
 # A tiny prelude for the controller and engine processes: if the kernel that started them dies
-# (even by SIGKILL, when no atexit handler runs), they kill their own process group within 0.5 s.
+# (even by SIGKILL, when no atexit handler runs), they remove the cluster's temporary folder and
+# kill their own process group within 0.5 s.
 # Plain code, no shardlab import, so the controller does not pay for importing torch.
 _GUARD = """\
-import os, runpy, signal, sys, threading, time
+import os, runpy, shutil, signal, sys, threading, time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _kernel = os.getppid()
 def _watch():
     while os.getppid() == _kernel:
         time.sleep(0.5)
+    shutil.rmtree({folder!r}, ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
 threading.Thread(target=_watch, daemon=True, name="shardlab-orphan-guard").start()
 if {preload}:
@@ -30,9 +32,11 @@ runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
 """
 
 
-def _guarded(module: str, tag: str, preload: bool = False) -> list[str]:
-    """The command line of a guarded process; ``tag`` makes its processes easy to find (ps)."""
-    code = f"# shardlab cluster {tag}\n" + _GUARD.format(module=module, preload=preload)
+def _guarded(module: str, profile_dir: str, preload: bool = False) -> list[str]:
+    """The command line of a guarded process; ``profile_dir`` in it makes the cluster's processes
+    easy to find (ps), and is removed by the guard if the kernel dies."""
+    code = f"# shardlab cluster {profile_dir}\n" + _GUARD.format(module=module, preload=preload,
+                                                                  folder=profile_dir)
     return [sys.executable, "-c", code]
 
 

@@ -19,19 +19,20 @@ import signal
 import sys
 import time
 
-from shardlab.cluster.errors import _died, _explain
+from shardlab.cluster.errors import _died, _explain, _interrupted
 from shardlab.cluster.on_rank import _on_rank
 from shardlab.cluster.processes import _exit_codes
 
-#: Seconds to wait, after the run deadline, for an interrupted rank to give control back.
-_INTERRUPT_GRACE = 3.0
+#: Seconds to wait, after an interrupt, for a rank to give control back before it is killed
+#: (the default of a cluster's ``interrupt_grace``; a loaded machine may need more).
+_INTERRUPT_GRACE = 5.0
 
 
 class _Runs:
     """The run machinery of :class:`~shardlab.cluster.Cluster` (its only subclass), kept apart
     from starting and stopping. Uses the cluster's ``_client``, ``_ids``, ``pids``, ``engines``,
-    ``timeout``, ``world_size``, ``quiet``, the two repair flags, ``restart()``,
-    ``_init_group()`` and ``_kill_engines()``.
+    ``timeout``, ``world_size``, ``quiet``, ``debug``, ``interrupt_grace``, the two repair
+    flags, ``restart()``, ``_init_group()`` and ``_kill_engines()``.
     """
 
     def _ready(self) -> None:
@@ -50,28 +51,21 @@ class _Runs:
         """Run on every rank; return (values in rank order, None) or (None, the error to raise)."""
         self._ready()
         waiting = self.timeout if timeout is None else float(timeout)
-        results = [self._client[eid].apply_async(_on_rank, kind, payload, args, kwargs, imports, defs)
-                   for eid in self._ids]
-        # The ranks' own collective timeout fires first; this margin only catches ranks that
-        # never return to Python (an endless loop, a dead device).
-        deadline = time.monotonic() + waiting + max(5.0, 0.1 * waiting)
+        results = []
         try:
+            for eid in self._ids:
+                results.append(self._client[eid].apply_async(
+                    _on_rank, kind, payload, args, kwargs, imports, defs))
+            # The ranks' own collective timeout fires first; this margin only catches ranks that
+            # never return to Python (an endless loop, a dead device).
+            deadline = time.monotonic() + waiting + max(5.0, 0.1 * waiting)
             outcomes = self._collect(results, deadline)
-        except KeyboardInterrupt:  # the notebook's stop button: stop the ranks too, then stop
-            self._interrupt(list(range(self.world_size)))
-            self._group_dirty = True
-            try:
-                late = self._collect(results, time.monotonic() + _INTERRUPT_GRACE)
-            except KeyboardInterrupt:
-                late = [None]
-            if any(o is None for o in late):
-                self._needs_restart = True
-                self._kill_engines()
-            raise
+        except KeyboardInterrupt:  # the stop button, at any point after the first send
+            raise self._stop_button(results) from None
         hung = [r for r, o in enumerate(outcomes) if o is None]
         if hung:
             self._interrupt(hung)
-            outcomes = self._collect(results, time.monotonic() + _INTERRUPT_GRACE, outcomes)
+            outcomes = self._collect(results, time.monotonic() + self.interrupt_grace, outcomes)
         self._show(outcomes, show_values)
         failures = {r: o for r, o in enumerate(outcomes) if o is None or not o.get("ok")}
         if not failures:
@@ -80,7 +74,30 @@ class _Runs:
         if any(o is None or o.get("died") for o in failures.values()):
             self._needs_restart = True
             self._kill_engines()  # free the CPU now; restarted on the next run
-        return None, _explain(failures, waiting, self.timeout)
+        return None, _explain(failures, waiting, self.timeout, self.debug)
+
+    def _stop_button(self, results) -> BaseException:
+        """The notebook's stop button: interrupt the ranks too, and say in one line what is left.
+
+        A rank that does not give control back within a grace period is killed (the ranks
+        restart on the next run); either way the next cell runs at once.
+        """
+        ranks = list(range(len(results)))
+        if not results:  # interrupted before anything was sent: nothing runs on the ranks
+            return KeyboardInterrupt()
+        self._interrupt(ranks)
+        self._group_dirty = True
+        try:
+            late = self._collect(results, time.monotonic() + self.interrupt_grace)
+        except KeyboardInterrupt:  # pressed twice: do not wait
+            late = [None] * len(results)
+        stuck = [r for r, o in enumerate(late) if o is None]
+        if stuck:
+            self._needs_restart = True
+            self._kill_engines()
+        error = _interrupted(ranks, stuck)
+        error.debug = self.debug
+        return error
 
     def _collect(self, results, deadline, outcomes=None) -> list:
         """Wait until every rank answered or the deadline passed; None for ranks that did not."""

@@ -286,16 +286,19 @@ def main(argv=None) -> int:
         return 0
     print(f"Model states per device: Ψ = {_human(params)} params, Nd = {gpus} devices, recipe {r.name} "
           f"({r.param_bytes} + {r.grad_bytes} + {r.optim_bytes} = {r.bytes_per_param} bytes/param)")
-    print(f"{'stage':<7} {'formula':<15} {'GB':>11} {'GiB':>11}   {'comm/step':>9} {'ring GB/rank':>12}")
+    print(f"{'':<23} {'model states per device':>23}   {'communication per step':^37}".rstrip())
+    print(f"{'stage':<7} {'formula':<15} {'GB':>11} {'GiB':>11}   {'volume (paper)':>19} {'ring GB per rank':>17}")
     for s in STAGES:
         k = sum(n for _, n in COMM_COLLECTIVES[s])
+        volume = f"{k}Ψ = {comm_elements(s, params) * r.param_bytes / GB:.3f} GB"
         print(f"{STAGE_LABELS[s]:<7} {formula_text(s, r):<15} {totals[s] / GB:>11.3f} {totals[s] / GIB:>11.3f}"
-              f"   {f'{k}Ψ':>9} {comm[s] / GB:>12.3f}")
+              f"   {volume:>19} {comm[s] / GB:>17.3f}")
     if largest is not None:
         extra = gathered_unit_bytes(largest, r)
         ds = deepspeed_estimate(params, gpus, 3, largest)
         print(f"ZeRO-3 + two gathered units of {_human(largest)} params (prefetch): {(totals['zero3'] + extra) / GB:.3f} GB")
         print(f"DeepSpeed's ZeRO-3 estimate (4L + 18Ψ/Nd, prints GiB as 'GB'): {ds / GIB:.2f} GiB")
-    print("Model states only: activations, gathered units and buffers come on top. "
-          f"Ring bytes use {r.param_bytes}-byte elements.")
+    print(f"Volume: the elements the paper counts, x {r.param_bytes} bytes. Ring GB per rank: what each rank "
+          f"sends in ring collectives, (N-1)/N x volume = {gpus - 1}/{gpus} x volume.")
+    print("Model states only: activations, gathered units and buffers come on top.")
     return 0

@@ -160,8 +160,13 @@ def crossover(world_size=8, gpu_memory_gb=80.0, recipe="mixed-adam", sizes=None,
         fits = gpu_memory_gb * mm.GB / per_param
         if sizes[0] <= fits <= sizes[-1]:
             ax.plot([fits], [gpu_memory_gb], marker=MARKERS[i], color="black", markersize=8, fillstyle="none")
-            ax.annotate(f"≤{fits / 1e9:.3g}B", (fits, gpu_memory_gb), xytext=(0, -14 - 10 * (i % 2)),
-                        textcoords="offset points", ha="center", fontsize=8)
+            # Beside its own marker: the limits of neighbouring stages lie close on a log axis,
+            # so the first two go left of their marker and below the line, the others right.
+            left, below = i < 2, i != 2
+            ax.annotate(f"≤{fits / 1e9:.3g}B", (fits, gpu_memory_gb), xytext=(-7 if left else 7, -11 if below else 5),
+                        textcoords="offset points", ha="right" if left else "left",
+                        va="top" if below else "bottom", fontsize=8, color=COLORS[i],
+                        bbox=dict(facecolor="white", alpha=0.85, linewidth=0, pad=0.5))
     ax.axhline(gpu_memory_gb, color="black", linewidth=1.2, linestyle=(0, (6, 2, 1, 2)))
     ax.annotate(f"GPU memory {gpu_memory_gb:g} GB", (sizes[0], gpu_memory_gb), xytext=(2, 4),
                 textcoords="offset points", fontsize=8)
@@ -192,11 +197,13 @@ def _pack(intervals: list) -> list[list]:
 INSTANT_MARKERS = {"free": ("v", "black"), "backward_done": ("|", "#55A868")}
 
 
-def timeline(events, *, title="Per-rank timeline: compute and communication", time_unit="ms") -> Figure:
+def timeline(events, *, title="Per-rank timeline: compute and communication", time_unit="ms",
+             note: str | None = None) -> Figure:
     """A Gantt chart: for each rank, a compute lane and a communication lane (format in module doc).
 
     Intervals that overlap within a lane go to sub-rows; instants (``start == end``, e.g.
     ``free``) are drawn as markers. Bars are labelled with their unit when they are wide enough.
+    ``note`` (how to read the chart) goes under the legend, so the title stays one line.
     """
     events = list(events)
     if not events:
@@ -227,8 +234,8 @@ def timeline(events, *, title="Per-rank timeline: compute and communication", ti
                     ax.barh(y - k, w, left=x, height=0.8, color=color, hatch=hatch, edgecolor="black", linewidth=0.5)
                     seen.setdefault(kind, Patch(facecolor=color, hatch=hatch, edgecolor="black", label=kind))
                     text = _label(e)
-                    if text and w / span > 0.006 * (len(text) + 1):  # only where it fits (~4 px a character)
-                        ax.text(x + w / 2, y - k, text, ha="center", va="center", fontsize=6, clip_on=True,
+                    if text and w / span > 0.009 * (len(text) + 1):  # only where it fits (~6 px a character)
+                        ax.text(x + w / 2, y - k, text, ha="center", va="center", fontsize=8, clip_on=True,
                                 bbox=dict(facecolor="white", alpha=0.75, linewidth=0, pad=0.6))
             for e in (e for e in events if e["rank"] == rank and e["lane"] == lane and e["end"] <= e["start"]):
                 kind = e.get("kind") or "instant"
@@ -245,7 +252,11 @@ def timeline(events, *, title="Per-rank timeline: compute and communication", ti
     ax.set_xlabel(f"time since first event ({time_unit})")
     ax.set_ylabel("rank and lane")
     ax.set_title(title)
-    ax.legend(handles=list(seen.values()), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    legend = ax.legend(handles=list(seen.values()), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if note:
+        ax.add_artist(legend)
+        ax.annotate(note, xy=(1.01, 0.0), xycoords="axes fraction", ha="left", va="bottom", fontsize=7.5,
+                    wrap=False)
     return fig
 
 
