@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from workers import loss_of, make_batch, make_model
+from workers import error_of, loss_of, make_batch, make_model
 
 import shardlab
 from shardlab.models import MLP
@@ -69,32 +69,24 @@ def _reversed_backward():
     model(torch.randn(2, 4)).sum().backward()
 
 
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects type and message
-        return type(e).__name__, str(e)
-    return "no error", ""
-
-
 def bad_inputs():
     """Each bad call's exception type and message (all ranks must raise, none may hang)."""
     rank = dist.get_rank()
     wrapped, _ = shardlab.parallelize(MLP(), stage=2)
     return {
-        "stage 5": _error(lambda: shardlab.parallelize(MLP(), stage=5)),
-        "not a module": _error(lambda: shardlab.parallelize(lambda x: x, stage=3)),
-        "already wrapped": _error(lambda: shardlab.parallelize(wrapped, stage=3)),
-        "empty model": _error(lambda: shardlab.parallelize(nn.Sequential(), stage=3)),
-        "optimizer not a class": _error(lambda: shardlab.parallelize(MLP(), optimizer_cls="adam")),
-        "tied across units": _error(lambda: shardlab.parallelize(SharedAcrossUnits(), stage=3)),
-        "different models": _error(lambda: shardlab.parallelize(MLP(units=2 + rank), stage=3)),
-        "state dict of a plain model": _error(lambda: shardlab.full_state_dict(MLP())),
-        "missing key": _error(lambda: shardlab.load_full_state_dict(
+        "stage 5": error_of(lambda: shardlab.parallelize(MLP(), stage=5)),
+        "not a module": error_of(lambda: shardlab.parallelize(lambda x: x, stage=3)),
+        "already wrapped": error_of(lambda: shardlab.parallelize(wrapped, stage=3)),
+        "empty model": error_of(lambda: shardlab.parallelize(nn.Sequential(), stage=3)),
+        "optimizer not a class": error_of(lambda: shardlab.parallelize(MLP(), optimizer_cls="adam")),
+        "tied across units": error_of(lambda: shardlab.parallelize(SharedAcrossUnits(), stage=3)),
+        "different models": error_of(lambda: shardlab.parallelize(MLP(units=2 + rank), stage=3)),
+        "state dict of a plain model": error_of(lambda: shardlab.full_state_dict(MLP())),
+        "missing key": error_of(lambda: shardlab.load_full_state_dict(
             wrapped, {k: v for k, v in shardlab.full_state_dict(wrapped).items() if k != "head.bias"})),
-        "units of a wrong type": _error(lambda: shardlab.parallelize(MLP(), units=3)),
-        "stage-3 option at stage 1": _error(lambda: shardlab.parallelize(MLP(), stage=1, prefetch=False)),
-        "units out of order at stage 3": _error(_reversed_backward),  # last: it leaves a broken model
+        "units of a wrong type": error_of(lambda: shardlab.parallelize(MLP(), units=3)),
+        "stage-3 option at stage 1": error_of(lambda: shardlab.parallelize(MLP(), stage=1, prefetch=False)),
+        "units out of order at stage 3": error_of(_reversed_backward),  # last: it leaves a broken model
     }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from workers import OPTIMIZERS, loss_of, make_batch, make_model
+from workers import OPTIMIZERS, error_of, loss_of, make_batch, make_model
 
 import shardlab
 from shardlab.engine import comm
@@ -112,14 +112,6 @@ def load_then_save(path: str):
     return loaded, trained, meta["step"]
 
 
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects type and message
-        return type(e).__name__, str(e)
-    return "no error", ""
-
-
 def bad_inputs(root: str):
     """Each bad load's error, on every rank; and the model must be untouched by all of them."""
     rank, root = dist.get_rank(), Path(root)
@@ -145,26 +137,26 @@ def bad_inputs(root: str):
     wider, wider_opt = shardlab.parallelize(make_model_wider(), stage=3)
     sgd_model, sgd_opt = _build("sgd", stage=2)
     errors = {
-        "no such path": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "nowhere")),
-        "missing shard": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "missing")),
-        "truncated shard": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "truncated")),
+        "no such path": error_of(lambda: shardlab.load_checkpoint(target, target_opt, root / "nowhere")),
+        "missing shard": error_of(lambda: shardlab.load_checkpoint(target, target_opt, root / "missing")),
+        "truncated shard": error_of(lambda: shardlab.load_checkpoint(target, target_opt, root / "truncated")),
         # at stage 3 each rank reads only its own shard: rank 1 alone finds the damage
-        "corrupt shard, one rank": _error(lambda: shardlab.load_checkpoint(model, opt, root / "corrupt")),
-        "not a checkpoint": _error(lambda: shardlab.load_checkpoint(target, target_opt, root / "not-a-checkpoint")),
-        "different model": _error(lambda: shardlab.load_checkpoint(other_model, other_opt, good)),
-        "different shape": _error(lambda: shardlab.load_checkpoint(wider, wider_opt, good)),
-        "other optimizer": _error(lambda: shardlab.load_checkpoint(sgd_model, sgd_opt, good)),
-        "torch optimizer": _error(lambda: shardlab.load_checkpoint(
+        "corrupt shard, one rank": error_of(lambda: shardlab.load_checkpoint(model, opt, root / "corrupt")),
+        "not a checkpoint": error_of(lambda: shardlab.load_checkpoint(target, target_opt, root / "not-a-checkpoint")),
+        "different model": error_of(lambda: shardlab.load_checkpoint(other_model, other_opt, good)),
+        "different shape": error_of(lambda: shardlab.load_checkpoint(wider, wider_opt, good)),
+        "other optimizer": error_of(lambda: shardlab.load_checkpoint(sgd_model, sgd_opt, good)),
+        "torch optimizer": error_of(lambda: shardlab.load_checkpoint(
             target, torch.optim.SGD(target.parameters(), lr=0.1), good)),
-        "plain model": _error(lambda: shardlab.load_checkpoint(make_model("gpt", 0), None, good)),
-        "replace a non-checkpoint": _error(lambda: shardlab.save_checkpoint(
+        "plain model": error_of(lambda: shardlab.load_checkpoint(make_model("gpt", 0), None, good)),
+        "replace a non-checkpoint": error_of(lambda: shardlab.save_checkpoint(
             target, target_opt, root / "not-a-checkpoint")),
     }
     after = shardlab.full_state_dict(target)
     untouched = all(torch.equal(before[k], after[k]) for k in before) and not target_opt.state
     # weights only: optimizer=None on both sides
     shardlab.save_checkpoint(model, None, root / "weights")
-    errors["weights only, loaded with an optimizer"] = _error(
+    errors["weights only, loaded with an optimizer"] = error_of(
         lambda: shardlab.load_checkpoint(target, target_opt, root / "weights"))
     shardlab.load_checkpoint(target, None, root / "weights")
     expected, got = shardlab.full_state_dict(model), shardlab.full_state_dict(target)

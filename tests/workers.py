@@ -95,3 +95,12 @@ def train_many(configs: list[dict]):
 def no_units(module) -> bool:
     """A ``units`` predicate that picks nothing: the root unit holds the whole model."""
     return False
+
+
+def error_of(fn) -> tuple[str, str]:
+    """``(type name, message)`` of what ``fn()`` raises, or ``("no error", "")``: the tests compare them."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return type(e).__name__, str(e)
+    return "no error", ""
