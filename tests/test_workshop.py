@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKSHOP = ROOT / "workshop"
 
 
-def fake_site(tmp_path: Path) -> dict:
+def fake_site(tmp_path: Path, scontrol: str = 'printf "node-a\\nnode-b\\n"') -> dict:
     """A SHARDLAB_DIR whose .venv activates a PATH of stubs that print their arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         "srun": 'echo "srun $*"',
-        "scontrol": 'printf "node-a\\nnode-b\\n"',
+        "scontrol": scontrol,
         "jupyter": 'echo "jupyter $*"',
     }
     for name, body in stubs.items():
@@ -48,6 +48,16 @@ def test_train_sbatch_starts_one_torchrun_per_node_meeting_at_the_first(tmp_path
     for part in ("torchrun", "--nnodes 2", "--nproc-per-node 4", "--rdzv-backend c10d",
                  "--rdzv-endpoint node-a:29500", "-m shardlab.train --backend nccl", "--stage 2"):
         assert part in srun, part
+
+
+def test_train_sbatch_survives_a_long_node_list(tmp_path):
+    """A 2000-node list written a line at a time: reading only its first line through a pipe
+    (``| head -n 1``) kills scontrol with SIGPIPE, and under ``pipefail`` the job exits 141."""
+    many = 'for i in $(seq 0 1999); do echo "node-$i"; done'
+    out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch")], env=fake_site(tmp_path, scontrol=many),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr)
+    assert "--rdzv-endpoint node-0:29500" in out.stdout
 
 
 def test_jupyter_sbatch_prints_the_tunnel_and_starts_jupyter_on_this_node(tmp_path):
