@@ -7,6 +7,7 @@ what; a router still weighs each expert's output, so the router always gets a gr
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -81,6 +82,8 @@ def micro_batches(case: str, step: int, rank: int, world_size: int) -> list[tupl
         x, y = torch.randn(PER_RANK, 5, generator=g), torch.randn(PER_RANK, 3, generator=g)
         if case.endswith("random"):
             choice = torch.randint(0, N_EXPERTS, (PER_RANK,), generator=g)
+        elif case.endswith("late"):  # expert 0 unused by every rank at step 0 only
+            choice = torch.arange(PER_RANK) % N_EXPERTS if step else torch.tensor([1, 2] * (PER_RANK // 2))
         elif case in ("moe", "moe-unit"):
             used = [e for e in range(N_EXPERTS) if e != rank % N_EXPERTS]
             choice = torch.tensor([used[i % len(used)] for i in range(PER_RANK)])
@@ -139,6 +142,17 @@ def train(case: str, stage: int, optimizer: str, steps: int = 4, own_optimizer: 
 
 def train_many(configs: list[dict]) -> list[list[dict]]:
     return [train(**cfg) for cfg in configs]
+
+
+def train_warned(configs: list[dict]) -> list[tuple[list[dict], list[str]]]:
+    """``train`` for each config, with the messages of the RuntimeWarnings it raised."""
+    out = []
+    for cfg in configs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            states = train(**cfg)
+        out.append((states, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]))
+    return out
 
 
 def spare_after_one_step() -> list[tuple[bool, bool]]:

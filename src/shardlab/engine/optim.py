@@ -10,6 +10,7 @@ first ``step()`` raise instead.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -30,6 +31,9 @@ class StageOptimizer(torch.optim.Optimizer):
     ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers just work.
     A master that mixes used and unused params is stepped whole, then its unused elements (and
     their optimizer state) are put back: they do not move, as with a per-parameter optimizer.
+    One thing cannot be put back per parameter: a per-tensor step count (Adam's bias
+    correction). A param that skipped steps and then trains again is stepped with its unit's
+    count, so ``step()`` warns when that happens (:meth:`_warn_if_count_is_shared`).
     """
 
     def __init__(self, engine: Engine, optimizer_cls, **kwargs):
@@ -37,6 +41,8 @@ class StageOptimizer(torch.optim.Optimizer):
         self.inner = optimizer_cls([u.master for u in engine.units], **kwargs)
         super().__init__([u.master for u in engine.units], self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self._skipped: dict[int, set[int]] = {}  # unit index -> params held back at some step
+        self._warned = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -44,12 +50,39 @@ class StageOptimizer(torch.optim.Optimizer):
             raise ValueError("step(closure) is not supported: compute the loss, call backward(), then step()")
         events.set_phase("step")
         events.emit("step_start")
+        for unit in self.engine.units:
+            self._warn_if_count_is_shared(unit)
         held = [self._hold_unused(unit) for unit in self.engine.units]
         self.inner.step()
         for unit, kept in zip(self.engine.units, held):
             self._put_back(unit, kept)
         self.engine.step()
         events.emit("step_end")
+
+    def _warn_if_count_is_shared(self, unit: FlatUnit) -> None:
+        """Warn (once) when a param that was held back while its unit stepped trains again and
+        the optimizer keeps a per-tensor count: from now on its bias correction is its unit's,
+        not its own, so it no longer matches ``torch.optim.X(model.parameters())``. A param
+        that never trains (a spare) or an optimizer without a count (SGD) stays exact."""
+        if unit.master.grad is None:  # the whole unit was unused: nothing steps, nothing counts
+            return
+        skipped = self._skipped.setdefault(unit.index, set())
+        here = {i for i, (a, b) in enumerate(unit.ranges(unit.master)) if b > a}
+        back = skipped & (here - set(unit.unused))
+        state = self.inner.state.get(unit.master, {})
+        counted = any(torch.is_tensor(v) and v.shape != unit.master.shape for v in state.values())
+        if back and counted and not self._warned:
+            self._warned = True
+            names = {id(p): n for n, p in self.engine.model.named_parameters()}
+            which = ", ".join(names.get(id(unit.params[i]), f"#{i}") for i in sorted(back))
+            warnings.warn(
+                f"{which} trained again after skipping steps (no rank gave it a gradient) while the rest "
+                f"of unit {unit.name!r} stepped. {type(self.inner).__name__} keeps one step count per "
+                "unit shard, so its bias correction now counts the skipped steps too, unlike "
+                "torch.optim on model.parameters(). For exact per-parameter counts make such "
+                "parameters their own units (the default for each Linear; drop units=...), or at "
+                "stage 3 step model.parameters() with your own optimizer.", RuntimeWarning, stacklevel=3)
+        skipped |= set(unit.unused)
 
     def _hold_unused(self, unit: FlatUnit):
         """Copies of the unused params' elements of the master and of its state, or None."""
