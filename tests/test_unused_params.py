@@ -74,6 +74,27 @@ def test_a_param_back_from_skipped_steps_in_a_shared_unit_warns_with_adamw(parit
             assert diff < FP32_TOL and not warned, (cfg, diff, warned)
 
 
+def test_sharded_optimizer_leaves_params_without_grad_alone_as_zero_redundancy_does(parity_log):
+    """Under DDP a param no rank used keeps ``grad = None``; ZeroRedundancyOptimizer's inner
+    optimizer skips it, and so must ShardedOptimizer's one flat shard (AdamW's weight decay
+    used to move it). A param back from skipped steps ('odd', AdamW) shares the flat buffer's
+    step count: that drift is real, and ``step()`` warns about it."""
+    configs = [dict(case=case, system=system, optimizer=opt) for case in ("spare", "odd")
+               for system in ("zero_redundancy", "sharded_optimizer") for opt in ("adamw", "sgd")]
+    results = run_ranks(uw.train_ddp, 2, configs, timeout=240)
+    for i, cfg in enumerate(configs):
+        states = results[0][i][0]
+        for r in range(1, 2):
+            assert max_diff(results[r][i][0][-1], states[-1]) == 0.0, cfg
+        warned = [m for r in range(2) for m in results[r][i][1] if "skipping steps" in m]
+        diff = max(max_diff(s, ref) for s, ref in zip(states, uw.reference(cfg["case"], cfg["optimizer"], 2)))
+        parity_log(f"ws=2 DDP + {cfg['system']:17} {cfg['case']:5} {cfg['optimizer']:5} warned={bool(warned)}", diff)
+        if (cfg["case"], cfg["system"], cfg["optimizer"]) == ("odd", "sharded_optimizer", "adamw"):
+            assert diff > FP32_TOL and warned and "param #" in warned[0], (cfg, diff, warned)
+        else:
+            assert diff < FP32_TOL and not warned, (cfg, diff, warned)
+
+
 def test_a_never_used_parameter_keeps_grad_none_and_its_value():
     per_rank = run_ranks(uw.spare_after_one_step, 2, timeout=120)
     for stage_results in per_rank:

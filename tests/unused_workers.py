@@ -155,6 +155,35 @@ def train_warned(configs: list[dict]) -> list[tuple[list[dict], list[str]]]:
     return out
 
 
+def train_ddp(configs: list[dict]) -> list[tuple[list[dict], list[str]]]:
+    """PyTorch's DDP (``find_unused_parameters``) with ``ZeroRedundancyOptimizer`` or
+    ``shardlab.ShardedOptimizer``: the state dict after each step, and the RuntimeWarnings."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = []
+    for cfg in configs:
+        cls, kw = OPTIMIZERS[cfg["optimizer"]]
+        net = make_net(cfg["case"])
+        model = DistributedDataParallel(net, find_unused_parameters=True)
+        if cfg["system"] == "zero_redundancy":
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kw)
+        else:
+            opt = shardlab.ShardedOptimizer(model.parameters(), cls, **kw)
+        states = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                (batch,) = micro_batches(cfg["case"], step, rank, world_size)
+                loss_of(model, *batch).backward()
+                opt.step()
+                opt.zero_grad()
+                states.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+        out.append((states, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]))
+    return out
+
+
 def spare_after_one_step() -> list[tuple[bool, bool]]:
     """Per stage: (``spare.grad`` is None after backward, ``spare`` unchanged after a step)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()

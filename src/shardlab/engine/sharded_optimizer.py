@@ -9,7 +9,8 @@ over ranks (for example by DDP or by ``parallelize(model, stage=0)``)::
 Unlike it, the parameters are flattened into one padded buffer and every rank owns one equal
 contiguous shard (``ZeroRedundancyOptimizer`` hands out whole parameters, so its shards are
 uneven). ``step()`` runs the wrapped optimizer on this rank's shard only, then all-gathers
-the updated shards so every rank holds all the new weights.
+the updated shards so every rank holds all the new weights. A parameter whose ``grad`` is None
+(unused, on every rank under DDP) does not move, as with a per-parameter optimizer (``unused.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from shardlab.engine import comm
 from shardlab.engine.flat import FlatUnit
+from shardlab.engine.unused import HeldBack
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -38,14 +40,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner = optimizer_cls([self.unit.master], **kwargs)
         super().__init__([self.unit.master], self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self.held_back = HeldBack(self.inner)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("step(closure) is not supported")
         unit = self.unit
-        unit.master.grad = unit.my_shard(unit.pack_grads(unit.full.dtype))
+        grad = unit.my_shard(unit.pack_grads(unit.full.dtype))  # -0.0 where a param's grad is None
+        unit.unused = unit.find_unused(grad)
+        all_unused = len(unit.unused) == sum(b > a for a, b in unit.ranges(grad))
+        unit.master.grad = None if all_unused else grad
+        kept = self.held_back.hold(unit)
         self.inner.step()
+        self.held_back.put_back(unit, kept)
         comm.all_gather(unit.full, unit.master, unit="params")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
