@@ -3,14 +3,13 @@ and the wrong implementations a test file lists (each must get the hint naming i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from conftest import SLOWDOWN
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.checking import lab_tasks, run_on_fresh_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-SLOWDOWN = float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", "1"))
 
 
 def verdicts(lab: str, notebook: str, wrong: dict, folder: Path) -> dict:
@@ -24,7 +23,7 @@ def verdicts(lab: str, notebook: str, wrong: dict, folder: Path) -> dict:
         cases[f"stub {t.id}"] = (t.id, str(stub))
     cases.update(wrong)
     results = run_on_fresh_ranks(list(cases.values()), scale=SLOWDOWN)
-    return dict(zip(cases, results))
+    return dict(zip(cases, results, strict=True))
 
 
 def script_folder(tmp_path_factory) -> Path:

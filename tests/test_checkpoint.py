@@ -8,16 +8,15 @@ batch at every world size (checkpoint_workers.GLOBAL_BATCH rows).
 from __future__ import annotations
 
 import json
-import os
 
 import checkpoint_workers
 import pytest
 import torch
 
+from conftest import SLOWDOWN
 from shardlab.launch import RankError, run_ranks
 from shardlab.models import gpt
 
-SLOWDOWN = float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", "1"))
 FP32_TOL = 1e-5  # as in test_engine_parity: only the order of the gradient sums differs
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SLOWDOWN
 from shardlab.course.labs import checking
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.generate import BEGIN, STUB, dumps, strip_solution, student_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "labs" / "solutions").glob("lab*.ipynb"))
-SLOWDOWN = float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", "1"))
 
 
 # ---- one source: the student notebooks are generated from the solutions ----------------------

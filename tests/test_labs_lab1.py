@@ -1,21 +1,17 @@
 """Lab 1's checks reject the classic mistakes with the matching hint, and accept the solution.
 
-All cases run in one set of 4 fresh ranks (run_on_fresh_ranks keeps going after a wrong answer).
+All cases run in one set of 4 fresh ranks (``labs_support.verdicts``; it keeps going after a
+wrong answer).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import lab1_mistakes as wrong
 import pytest
+from labs_support import script_folder
+from labs_support import verdicts as lab_verdicts
 
-from shardlab.course.labs.__main__ import notebook_to_script
-from shardlab.course.labs.checking import lab_tasks, run_on_fresh_ranks
-
-ROOT = Path(__file__).resolve().parents[1]
-SLOWDOWN = float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", "1"))
+from shardlab.course.labs.checking import lab_tasks
 
 MISTAKES = [  # (task, wrong answer, the words its hint must contain)
     ("pad_and_split", wrong.split_without_padding_chunk, "pad with zeros"),
@@ -37,20 +33,15 @@ MISTAKES = [  # (task, wrong answer, the words its hint must contain)
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    """Every mistake, then every task of the solution notebook, judged on one set of ranks."""
-    solution = notebook_to_script(ROOT / "labs/solutions/lab1_shard_and_gather.ipynb",
-                                  tmp_path_factory.mktemp("lab1"))
-    jobs = [(f"lab1.{t}", fn) for t, fn, _ in MISTAKES]
-    jobs += [(t.id, str(solution)) for t in lab_tasks("lab1")]
-    results = run_on_fresh_ranks(jobs, scale=SLOWDOWN)
-    assert len(results) == len(jobs)
-    return results
+    """Every mistake, and each task of the solution and student notebooks, judged on one set of ranks."""
+    wrong = {fn.__name__: (f"lab1.{task}", fn) for task, fn, _ in MISTAKES}
+    return lab_verdicts("lab1", "lab1_shard_and_gather.ipynb", wrong, script_folder(tmp_path_factory))
 
 
 @pytest.mark.parametrize("i", range(len(MISTAKES)), ids=[m[1].__name__ for m in MISTAKES])
 def test_a_classic_mistake_gets_its_hint(verdicts, i):
-    task, _, words = MISTAKES[i]
-    result = verdicts[i]
+    task, fn, words = MISTAKES[i]
+    result = verdicts[fn.__name__]
     assert result.task == f"lab1.{task}"
     assert result.status == "fail", result.line()
     assert words in result.message, result.line()
@@ -58,6 +49,6 @@ def test_a_classic_mistake_gets_its_hint(verdicts, i):
 
 
 def test_the_solution_passes_every_task(verdicts):
-    solved = verdicts[len(MISTAKES):]
+    solved = [verdicts[f"solution {t.id}"] for t in lab_tasks("lab1")]
     assert [r.task for r in solved] == [t.id for t in lab_tasks("lab1")]
     assert all(r.passed for r in solved), "\n".join(r.line() for r in solved)

@@ -1,22 +1,19 @@
 """Lab 2's checks reject the classic ZeRO-1 mistakes with the matching hint, and accept the solution.
 
-All cases run in one set of 4 fresh ranks (run_on_fresh_ranks keeps going after a wrong answer).
+All cases run in one set of 4 fresh ranks (``labs_support.verdicts``; it keeps going after a
+wrong answer).
 """
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import lab2_mistakes as wrong
 import pytest
+from labs_support import script_folder
+from labs_support import verdicts as lab_verdicts
 
-from shardlab.course.labs.__main__ import notebook_to_script
-from shardlab.course.labs.checking import lab_tasks, run_on_fresh_ranks
-
-ROOT = Path(__file__).resolve().parents[1]
-SLOWDOWN = float(os.environ.get("SHARDLAB_TEST_SLOWDOWN", "1"))
+from shardlab.course.labs.checking import lab_tasks
 
 MISTAKES = [  # (task, wrong answer, the words its hint must contain)
     ("shard_optimizer", wrong.optimizer_over_the_full_buffer, "so ZeRO-1 saves nothing"),
@@ -33,31 +30,27 @@ MISTAKES = [  # (task, wrong answer, the words its hint must contain)
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    """Every mistake, then every task of the solution notebook, judged on one set of ranks."""
-    solution = notebook_to_script(ROOT / "labs/solutions/lab2_zero1.ipynb", tmp_path_factory.mktemp("lab2"))
-    jobs = [(f"lab2.{t}", fn) for t, fn, _ in MISTAKES]
-    jobs += [(t.id, str(solution)) for t in lab_tasks("lab2")]
-    results = run_on_fresh_ranks(jobs, scale=SLOWDOWN)
-    assert len(results) == len(jobs)
-    return results
+    """Every mistake, and each task of the solution and student notebooks, judged on one set of ranks."""
+    wrong = {fn.__name__: (f"lab2.{task}", fn) for task, fn, _ in MISTAKES}
+    return lab_verdicts("lab2", "lab2_zero1.ipynb", wrong, script_folder(tmp_path_factory))
 
 
 @pytest.mark.parametrize("i", range(len(MISTAKES)), ids=[m[1].__name__ for m in MISTAKES])
 def test_a_classic_mistake_gets_its_hint(verdicts, i):
-    task, _, words = MISTAKES[i]
-    result = verdicts[i]
+    task, fn, words = MISTAKES[i]
+    result = verdicts[fn.__name__]
     assert result.task == f"lab2.{task}"
     assert result.status == "fail", result.line()
     assert words in result.message, result.line()
 
 
 def test_the_full_buffer_optimizer_is_caught_by_measured_bytes(verdicts):
-    got, full = map(int, re.search(r"(\d+) B of Adam moments.*\((\d+) B\)", verdicts[0].message).groups())
+    got, full = map(int, re.search(r"(\d+) B of Adam moments.*\((\d+) B\)", verdicts[MISTAKES[0][1].__name__].message).groups())
     assert got == full > 0  # measured on the rank: the whole buffer's moments, no saving
 
 
 def test_the_solution_passes_with_one_nth_of_the_optimizer_state(verdicts):
-    solved = verdicts[len(MISTAKES):]
+    solved = [verdicts[f"solution {t.id}"] for t in lab_tasks("lab2")]
     assert [r.task for r in solved] == [t.id for t in lab_tasks("lab2")]
     assert all(r.passed for r in solved), "\n".join(r.line() for r in solved)
     per_rank, stage0 = map(int, re.search(r"(\d+) B per rank = 1/4 of stage 0's (\d+) B", solved[0].message).groups())
