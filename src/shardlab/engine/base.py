@@ -259,10 +259,7 @@ class Engine:
     def _hand_out_grads(self) -> None:
         """Params no rank used get ``grad = None``; a master with nothing used is not stepped."""
         for unit in self.units:
-            grad = unit.master.grad
-            unit.unused = unit.find_unused(grad) if grad is not None else []
-            if unit.unused and len(unit.unused) == sum(b > a for a, b in unit.ranges(grad)):
-                unit.master.grad = grad = None
+            unit.master.grad = grad = unit.mark_unused(unit.master.grad)
             if self.params_hold_grads:
                 unit.set_param_grads(grad, skip=unit.unused)
 

@@ -209,6 +209,14 @@ class FlatUnit:
         return [i for (i, a, b), m in zip(spans, maybe, strict=True)
                 if m and bool(((grad[a:b] == 0) & grad[a:b].signbit()).all())]
 
+    def mark_unused(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Set ``unused`` from the reduced ``grad`` (this rank's part); return what the optimizer
+        should step: ``grad``, or None when every param with elements here went unused."""
+        self.unused = self.find_unused(grad) if grad is not None else []
+        if self.unused and len(self.unused) == sum(b > a for a, b in self.ranges(grad)):
+            return None
+        return grad
+
     def set_param_grads(self, flat: torch.Tensor | None, skip=()) -> None:
         """Point each ``p.grad`` at its part of ``flat``: full views, or shard pieces at stage 3.
 

@@ -48,9 +48,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("step(closure) is not supported")
         unit = self.unit
         grad = unit.my_shard(unit.pack_grads(unit.full.dtype))  # -0.0 where a param's grad is None
-        unit.unused = unit.find_unused(grad)
-        all_unused = len(unit.unused) == sum(b > a for a, b in unit.ranges(grad))
-        unit.master.grad = None if all_unused else grad
+        unit.master.grad = unit.mark_unused(grad)
         kept = self.held_back.hold(unit)
         self.inner.step()
         self.held_back.put_back(unit, kept)
