@@ -62,6 +62,9 @@ class HeldBack:
         if unit.master.grad is None:  # the whole unit was unused: nothing steps, nothing counts
             return
         skipped = self._skipped.setdefault(id(unit), set())
+        if not skipped:  # the normal path: nothing held back yet, so nothing can come back
+            skipped.update(unit.unused)
+            return
         here = {i for i, (a, b) in enumerate(unit.ranges(unit.master)) if b > a}
         back = skipped & (here - set(unit.unused))
         state = self.inner.state.get(unit.master, {})
