@@ -238,8 +238,6 @@ class FlatUnit:
         comm.all_gather(full, self.master.detach(), unit=self.name)
         return full
 
-    gather_master = gather_full_master  # the old name (checkpoints use it)
-
     def load(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite the unit with full tensors (same order as ``params``); keep the layout."""
         full = torch.zeros(self.padded_numel, dtype=self.master.dtype, device=self.master.device)
