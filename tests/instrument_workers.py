@@ -109,7 +109,7 @@ def measured(world_size: int) -> list[list[dict]]:
     configs = [dict(stage=s) for s in range(4)]
     if world_size == 2:
         configs += [dict(stage=3, prefetch=False)] + [dict(stage=s, checkpointing=True) for s in range(4)]
-    from conftest import slowdown  # in the parent only (ranks import this module too)
+    from support import slowdown  # in the parent only (ranks import this module too)
 
     return run_ranks(measure_all, world_size, configs, timeout=slowdown(120))
 
