@@ -222,3 +222,55 @@ def test_every_collective_goes_through_engine_comm():
                            "all_reduce, broadcast, barrier, all_reduce_max, gather_lists):\n  " + "\n  ".join(offenders))
     assert not pending_clean, f"{pending_clean} no longer call a collective: remove them from ONE_DOOR_PENDING"
     assert all((SRC / rel).is_file() for rel in ONE_DOOR_PENDING), "ONE_DOOR_PENDING names a file that is gone"
+
+
+# -- no import cycles -----------------------------------------------------------------------------
+def import_cycles(package: str) -> list[list[str]]:
+    """Cycles among the modules of ``package`` (every import counts, at any depth).
+
+    A module's parent packages are imported first by Python itself; only written imports are
+    edges. A logic module and its widget module must not appear together in a cycle: the
+    widget builds on the logic, never the reverse.
+    """
+    graph = {}
+    for path in modules():
+        name = module_name(path)
+        if _under(name, package):
+            graph[name] = {m for _, m in imports_of(path) if _under(m, package) and m != name}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_no_import_cycle_inside_course():
+    cycles = import_cycles("shardlab.course")
+    assert not cycles, "import cycles in shardlab.course:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle(monkeypatch):
+    """The check above has teeth: the quiz's old shape (logic and widgets importing each other) fails."""
+    real = imports_of
+
+    def with_old_edge(path, package=None):
+        found = real(path, package)
+        if path.name == "quiz_bank.py":
+            found.append((1, "shardlab.course.quiz_widgets"))
+        return found
+
+    monkeypatch.setattr(sys.modules[__name__], "imports_of", with_old_edge)
+    assert ["shardlab.course.quiz_bank", "shardlab.course.quiz_widgets", "shardlab.course.quiz_bank"] in \
+        import_cycles("shardlab.course")
