@@ -1,5 +1,5 @@
 """pytest's hooks and fixtures for tests/: the slow-down factor applied to pytest's own limits,
-the ``slowdown`` fixture, and the parity summary.
+and the parity summary.
 
 The shared helpers live in the plain module ``support.py`` (``from support import slowdown``).
 ``conftest`` re-exports them for one more round, for files not yet moved over.
@@ -17,12 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # so spawned ranks can import te
 from support import SLOWDOWN, slowdown  # noqa: E402  (re-exported for `from conftest import`, one round)
 
 __all__ = ["SLOWDOWN", "slowdown"]
-
-
-@pytest.fixture(name="slowdown")
-def slowdown_fixture():
-    """The :func:`slowdown` function, for tests that prefer a fixture to an import."""
-    return slowdown
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its setting
