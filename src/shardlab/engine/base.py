@@ -1,16 +1,26 @@
 """What every ZeRO stage shares: units, gradient-ready hooks, the reductions' order, no_sync.
 
-The stage contract. A stage (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) overrides
-only these public methods; everything else lives here, once:
+The stage contract. Each stage file defines exactly the public methods listed for it here
+(``tests/test_stage_contract.py`` reads this table, so it cannot drift); everything else lives
+in this file, once::
+
+    ddp.py    shard, reduce_grads, keep_grads, after_step
+    zero1.py  shard, reduce_grads, after_step
+    zero2.py  (none: one class attribute)
+    zero3.py  __init__, shard, reduce_grads, after_step, forward_start, pre_forward, post_forward,
+              forward_done, post_backward, backward_done, pre_backward, prefetch_next,
+              count_accumulators, holding, held_backward
 
 * ``shard(unit)``              which part of a unit the optimizer steps on this rank (the master);
 * ``reduce_grads(unit)``       start combining a unit's gradients across ranks; *returns* the
   :class:`~shardlab.engine.flat.Reduction` (the base queues it and waits for it);
 * ``keep_grads(reduction)``    what is kept when that reduction lands;
 * ``after_step(unit)``         how the updated weights reach the parameters again;
-* ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
-  ``pre_backward(unit)``, ``post_backward(unit)``, ``backward_done()``: the points of a step
-  where stage 3 gathers and frees (stages 0-2 keep the base's versions).
+* ``forward_start()``, ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
+  ``post_backward(unit)``, ``backward_done()``: the points of a step where stage 3 gathers and
+  frees (stages 0-2 keep the base's versions). The rest of ``zero3.py``'s list is its own:
+  ``pre_backward`` (a unit's output gradient arrived: gather it), ``prefetch_next``, and what
+  several forwards before one backward need (``count_accumulators``, ``holding``, ``held_backward``);
 
 and sets class attributes instead of testing stage numbers: ``shards_optimizer_state`` and
 ``shards_params`` (the paper's P_os and P_p), ``reduce_as_ready`` (ZeRO-2's P_g: see below).
@@ -93,9 +103,6 @@ class Engine:
             self.units.append(unit)
         self.root = self.units[-1] if self.units[-1].module is model else None
         self.others = [u for u in self.units if u is not self.root]
-        for unit in self.others:  # the last unit nested inside each (units are in registration order)
-            inside = {id(m) for m in unit.module.modules()}
-            unit.last_index = max(u.index for u in self.others if id(u.module) in inside)
         #: the fixed order of reductions: reverse registration order, the root (used first and last) last
         self.reduce_order = self.others[::-1] + ([self.root] if self.root else [])
         self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
@@ -164,8 +171,7 @@ class Engine:
     def _on_root_forward(self, module, args, kwargs):
         events.set_phase("forward")
         self.state = TrainingState.FORWARD
-        for unit in self.units:
-            unit.forward_calls = 0
+        self.forward_start()
         if self.mixed:  # cast floating-point inputs to the compute dtype
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
@@ -176,6 +182,9 @@ class Engine:
         self.state = TrainingState.IDLE
         if torch.is_grad_enabled():
             on_output_grad(output, self._start_backward)
+
+    def forward_start(self) -> None:
+        """The root's forward begins (before any unit's)."""
 
     def pre_forward(self, unit: FlatUnit) -> None:
         events.emit("forward", unit=unit.name)
