@@ -32,13 +32,12 @@ no gradient on this rank (an expert no token chose) joins with ``-0.0`` when bac
 stage 3, when the backward walk passes it), as FSDP2's root post-backward callback does. The
 ranks then issue one sequence and differ only in timing, so a rank that waits, waits for a
 collective the others will issue: nobody drifts, aborts or hangs. A parameter no rank gave a
-gradient keeps ``grad = None`` and is not stepped (``FlatUnit.find_unused`` says how that is
-known with no extra collective).
+gradient keeps ``grad = None`` and is not stepped (``missing_grads.py`` says how that is known
+with no extra collective).
 """
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from enum import Enum
 
@@ -49,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engine import comm, events
 from shardlab.engine.flat import FlatUnit, Reduction
+from shardlab.engine.missing_grads import check_backend_keeps_sign
 from shardlab.engine.units import find_unit_modules, group_params
 
 
@@ -112,7 +112,7 @@ class Engine:
         self.param_ids = frozenset(id(p) for u in self.units for p in u.params)
         self._in_flight: list[Reduction] = []
         self._next_reduction = 0  # index into reduce_order
-        self._check_zero_sign()
+        check_backend_keeps_sign(self.reduce_dtype, self.units[0].full.device)
         model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         model.register_forward_hook(self._on_root_forward_end)  # first: backward starts here
         for unit in self.units:
@@ -158,14 +158,6 @@ class Engine:
                     comm.broadcast(p.data)
             for b in self.model.buffers():
                 comm.broadcast(b)
-
-    def _check_zero_sign(self) -> None:
-        """Unused parameters are found by the sign of zero (``FlatUnit.find_unused``): check the backend keeps it."""
-        probe = torch.full((1,), -0.0, dtype=self.reduce_dtype, device=self.units[0].full.device)
-        comm.all_reduce(probe)
-        if not bool(probe.signbit()):
-            warnings.warn("this backend's SUM loses the sign of zero: parameters no rank uses will be "
-                          "stepped with a zero gradient instead of skipped", stacklevel=3)
 
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):

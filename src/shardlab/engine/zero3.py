@@ -40,6 +40,7 @@ import torch
 from shardlab.engine import events
 from shardlab.engine.base import TrainingState, on_output_grad
 from shardlab.engine.flat import FlatUnit, Reduction
+from shardlab.engine.missing_grads import walked_past
 from shardlab.engine.zero2 import ZeRO2
 
 
@@ -98,7 +99,7 @@ class FSDP(ZeRO2):
         order = self.order[phase]
         self._next = self._position[phase][unit] + 1
         if phase is TrainingState.BACKWARD:  # the units after this one's subtree are done: reduce them now
-            self.issue_reductions(force=lambda u: u.index > unit.last_index and u.forward_calls < 2 and u is not self.root)
+            self.issue_reductions(force=lambda u: walked_past(u, entering=unit, root=self.root))
         unit.gather()  # waits here if a prefetch already started it
         if self.prefetch:
             self.prefetch_next(order, unit)
