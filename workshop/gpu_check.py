@@ -58,7 +58,8 @@ def parse_args(argv):
     p.add_argument("--iters", type=int, default=None, help="timed collectives per size (default 10; a dry run: 2)")
     p.add_argument("--notebooks", default="00,04", help="notebooks to run headless (default 00,04; '' for none)")
     p.add_argument("--timeout", type=float, default=120, help="seconds before a stuck collective fails")
-    p.add_argument("--worker", choices=["bandwidth"], help=argparse.SUPPRESS)  # run by torchrun
+    p.add_argument("--worker", choices=["bandwidth"],
+                   help="under torchrun: only the bandwidth step, printed (across nodes: README)")
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     dry = args.dry_run
@@ -129,8 +130,8 @@ def bandwidth_worker(args) -> int:
             result = {"ranks": lines, "rows": rows, "answered": int(ok.item()), "world_size": world}
             if args.out:
                 Path(args.out).write_text(json.dumps(result))
-            else:
-                print(json.dumps(result, indent=1))
+            else:  # across nodes, by hand: the table
+                _print_bandwidth(_fit(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -138,8 +139,6 @@ def bandwidth_worker(args) -> int:
 
 
 def bandwidth(args, ranks: int, deadline: float) -> dict:
-    from shardlab.instruments.link import fit_link
-
     if ranks < 2:
         return {"skipped": "one rank: a collective needs two; bandwidth is measured on 2+ GPUs"}
     out = Path(tempfile.mkdtemp(prefix="shardlab-check-")) / "bandwidth.json"
@@ -149,12 +148,18 @@ def bandwidth(args, ranks: int, deadline: float) -> dict:
     done = _run(cmd, max(30.0, deadline - time.monotonic()))
     if done.returncode or not out.exists():
         return {"failed": f"exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}"}
-    result = json.loads(out.read_text())
+    return _fit(json.loads(out.read_text()))
+
+
+def _fit(result: dict) -> dict:
+    """Add the α-β fit of each collective (in GB/s), or why there is none."""
+    from shardlab.instruments.link import fit_link
+
     result["fit"], result["no_fit"] = {}, {}
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         mine = [r for r in result["rows"] if r["kind"] == kind]
         try:
-            fit = fit_link(kind, [r["size_bytes"] for r in mine], [r["seconds"] for r in mine], ranks)
+            fit = fit_link(kind, [r["size_bytes"] for r in mine], [r["seconds"] for r in mine], result["world_size"])
         except ValueError as e:  # times that do not grow with size: too noisy to fit
             result["no_fit"][kind] = str(e)
             continue
