@@ -118,10 +118,13 @@ def init_rank(rank: int, world_size: int, store=None, backend: str = "gloo", tim
     device = device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Bind the group to the GPU (eager NCCL set-up) only for NCCL alone. A cpu:gloo,cuda:nccl
+    # group stays unbound: NCCL starts at the first CUDA collective, and barrier() and the
+    # *_object helpers use gloo, so notebooks that never touch a GPU never depend on NCCL.
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
-        **({"device_id": device} if device.type == "cuda" else {}),
+        **({"device_id": device} if backend == "nccl" else {}),
     )
     return device
 
