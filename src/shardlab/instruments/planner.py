@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from shardlab.instruments import memory_math as mm
 from shardlab.instruments import planner_presets as pp
-from shardlab.instruments.link import link_delay
+from shardlab.instruments.planner_step import GroupLink, Unit, group_link, replay
 
 #: The one efficiency number: the fraction of a GPU's dense bf16 peak that a large transformer's
 #: matmuls reach. Round, and set from the range well-tuned large runs report (40-60% of peak:
@@ -176,33 +176,6 @@ def step_flops(model, plan: Plan) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------ collectives
-@dataclass(frozen=True)
-class GroupLink:
-    """The bus a collective group sees: bandwidth (Gbit/s per GPU) and per-hop latency (µs)."""
-
-    size: int
-    bandwidth_gbps: float
-    latency_us: float
-
-    def seconds(self, kind: str, params: float, itemsize: int) -> float:
-        """The α-β ring time of one collective on a full buffer of ``params`` elements."""
-        return link_delay(kind, int(params), itemsize, self.size, self.bandwidth_gbps, self.latency_us)
-
-
-def group_link(cluster: pp.Cluster, size: int, per_node: int) -> GroupLink:
-    """A ring of ``size`` GPUs, ``per_node`` of them on each node it touches.
-
-    Inside one node it runs on NVLink. Across nodes, NCCL spreads its rings over every NIC of
-    the node, so the ring's bus bandwidth is what its share of the node's NICs can carry
-    (``per_node / gpus_per_node`` of them; nccl-tests' bus bandwidth across 8-GPU nodes is the
-    node's NIC total, e.g. ~96 of 100 GB/s with 4 HDR NICs), capped by NVLink.
-    """
-    if size <= 1 or size <= per_node:
-        return GroupLink(max(size, 1), cluster.intra.bandwidth_gbps, cluster.intra.latency_us)
-    share = cluster.node_nic_bytes_per_s * per_node / cluster.gpus_per_node * 8 / 1e9
-    return GroupLink(size, min(cluster.intra.bandwidth_gbps, share), cluster.inter.latency_us)
-
-
 def groups(cluster: pp.Cluster, plan: Plan) -> tuple[GroupLink, GroupLink | None]:
     """The sharding group's link, and HSDP's replica group's link (None for the other plans)."""
     n, g = cluster.gpus, sharding_degree(plan, cluster.gpus)
@@ -250,8 +223,6 @@ def step_time(model, cluster: pp.Cluster, plan: Plan, *, fraction: float = ACHIE
     step on this machine with no slow link); the units keep their FLOP shares of it, instead
     of FLOPs / (``fraction`` × peak).
     """
-    from shardlab.instruments.planner_step import Unit, replay
-
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction of peak must be in (0, 1], got {fraction!r}")
     m, r = pp.model(model), mm.recipe(plan.recipe)

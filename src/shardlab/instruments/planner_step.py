@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardlab.instruments import planner_presets as pp
+from shardlab.instruments.link import link_delay
+
 
 @dataclass
 class Unit:
@@ -116,3 +119,30 @@ def _reduce(u: Unit, stage: str, last: bool, t: float, link: _Link, net: _Link, 
     if stage == "hsdp" and last and cross is not None:
         return [done, net.send(done, cross(u.params))]
     return [done]
+
+
+@dataclass(frozen=True)
+class GroupLink:
+    """The bus a collective group sees: bandwidth (Gbit/s per GPU) and per-hop latency (µs)."""
+
+    size: int
+    bandwidth_gbps: float
+    latency_us: float
+
+    def seconds(self, kind: str, params: float, itemsize: int) -> float:
+        """The α-β ring time of one collective on a full buffer of ``params`` elements."""
+        return link_delay(kind, int(params), itemsize, self.size, self.bandwidth_gbps, self.latency_us)
+
+
+def group_link(cluster: pp.Cluster, size: int, per_node: int) -> GroupLink:
+    """A ring of ``size`` GPUs, ``per_node`` of them on each node it touches.
+
+    Inside one node it runs on NVLink. Across nodes, NCCL spreads its rings over every NIC of
+    the node, so the ring's bus bandwidth is what its share of the node's NICs can carry
+    (``per_node / gpus_per_node`` of them; nccl-tests' bus bandwidth across 8-GPU nodes is the
+    node's NIC total, e.g. ~96 of 100 GB/s with 4 HDR NICs), capped by NVLink.
+    """
+    if size <= 1 or size <= per_node:
+        return GroupLink(max(size, 1), cluster.intra.bandwidth_gbps, cluster.intra.latency_us)
+    share = cluster.node_nic_bytes_per_s * per_node / cluster.gpus_per_node * 8 / 1e9
+    return GroupLink(size, min(cluster.intra.bandwidth_gbps, share), cluster.inter.latency_us)
