@@ -17,9 +17,6 @@ prediction beside the measurement.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from shardlab.instruments import planner as P
 from shardlab.instruments import planner_presets as pp
 from shardlab.instruments.link import Link, fit_link
@@ -29,7 +26,7 @@ STAGES = (0, 3)
 
 
 def _rank_main(opts: dict) -> dict:
-    """On every rank: fit the emulated link, then time stages 0 and 3 with and without it."""
+    """On every rank, in interleaved rounds: all-gathers on the emulated link, and stages 0 and 3 without and with it."""
     import torch
     import torch.distributed as dist
 
@@ -41,18 +38,7 @@ def _rank_main(opts: dict) -> dict:
 
     n = dist.get_world_size()
     link = dict(bandwidth_gbps=opts["bandwidth_gbps"], latency_us=opts["latency_us"])
-    gathers = {}
-    for size in SIZES:
-        shard, full = torch.ones(size), torch.empty(size * n)
-        times = []
-        for _ in range(opts["repeats"]):
-            dist.barrier()
-            with emulate_link(**link):
-                t0 = time.perf_counter()
-                comm.all_gather(full, shard)
-                times.append(time.perf_counter() - t0)
-        gathers[size * n * 4] = times
-
+    buffers = {size: (torch.ones(size), torch.empty(size * n)) for size in SIZES}
     cfg = models.SIZES[opts["model"]]
     runs = {}
     for stage in STAGES:
@@ -60,17 +46,24 @@ def _rank_main(opts: dict) -> dict:
         runs[stage] = parallelize(models.gpt(opts["model"]), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
     x, y = models.batch(cfg, opts["batch"], seed=1, rank=dist.get_rank(), world_size=n)
 
-    def step(pair, _i):
-        stage, slow = pair
-        model, optimizer = runs[stage]
-        with emulate_link(**link) if slow else _nothing():
+    def step(item, _i):
+        what, arg = item
+        if what == "gather":  # one all-gather of arg elements a rank on the emulated link
+            shard, full = buffers[arg]
+            with emulate_link(**link):
+                comm.all_gather(full, shard)
+            return
+        model, optimizer = runs[what]
+        with emulate_link(**link) if arg else _nothing():
             models.lm_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
 
-    pairs = [(s, slow) for s in STAGES for slow in (False, True)]
-    times, _ = timed_rounds(pairs, step, opts["warmup"], opts["steps"], dist.barrier)
-    return dict(gathers=gathers, steps={f"{s}/{int(slow)}": times[(s, slow)] for s, slow in pairs})
+    # Link, compute and slow steps interleaved in the same rounds: load hits them all alike.
+    items = [("gather", size) for size in SIZES] + [(s, slow) for s in STAGES for slow in (False, True)]
+    times, _ = timed_rounds(items, step, opts["warmup"], opts["steps"], dist.barrier)
+    return dict(gathers={size * n * 4: times[("gather", size)] for size in SIZES},
+                steps={f"{s}/{int(slow)}": times[(s, slow)] for s, slow in items if s != "gather"})
 
 
 class _nothing:
@@ -82,7 +75,7 @@ class _nothing:
 
 
 def measure(model: str = "small", bandwidth_gbps: float = 0.1, latency_us: float = 200.0, *, batch: int = 8,
-            steps: int = 5, warmup: int = 1, repeats: int = 3, world_size: int = 2, timeout: float = 300.0) -> dict:
+            steps: int = 5, warmup: int = 1, world_size: int = 2, timeout: float = 300.0) -> dict:
     """Measure the link and the steps on ``world_size`` local ranks; see the module docstring.
 
     Returns the fitted :class:`Link`, and per stage the median step (slowest rank) with no
@@ -92,10 +85,10 @@ def measure(model: str = "small", bandwidth_gbps: float = 0.1, latency_us: float
     from shardlab.launch import run_ranks
 
     opts = dict(model=model, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us, batch=batch, steps=steps,
-                warmup=warmup, repeats=repeats)
+                warmup=warmup)
     per_rank = run_ranks(_rank_main, world_size, opts, timeout=timeout)
     sizes = sorted(per_rank[0]["gathers"])
-    seconds = [statistics.median(max(r["gathers"][s][i] for r in per_rank) for i in range(repeats)) for s in sizes]
+    seconds = [slowest_median([r["gathers"][s] for r in per_rank]) for s in sizes]
     fitted = fit_link("all_gather", sizes, seconds, world_size)
     out = dict(options=opts, world_size=world_size, link=fitted, gather_sizes=sizes, gather_s=seconds)
     for s in STAGES:
