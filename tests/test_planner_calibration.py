@@ -4,8 +4,11 @@ One run on 2 ranks (``planner_calibrate.measure``) fits the emulated link's α a
 timed all-gathers and measures stage 0 and stage 3 with and without that link, interleaved in
 the same processes, so the machine's load hits the measurement and its inputs alike. The
 planner gets only the fitted link and the no-link step times; it must predict the slow-link
-step times. The link (0.1 Gbit/s) makes the step's traffic about as long as its compute, so
-what overlaps matters: a planner that hid everything, or nothing, would be off by ~40%.
+step times. The link (0.1 Gbit/s) makes the step's traffic 3-5 times its compute, so that
+the check stays within 20% on a loaded 2-core machine, where compute alone varies by ±50%:
+it checks the planner's bytes per collective, its ring α-β time from the fitted link, and its
+order of units (what it leaves exposed), more than the finer points of overlap. Every time
+is the best of 9 interleaved rounds (load only adds time).
 """
 
 import pytest
@@ -16,7 +19,7 @@ from shardlab.instruments import planner_calibrate as C
 
 @pytest.fixture(scope="module")
 def result():
-    out = C.measure("small", bandwidth_gbps=0.1, latency_us=200.0, steps=5, timeout=slowdown(240))
+    out = C.measure("small", bandwidth_gbps=0.1, latency_us=200.0, timeout=slowdown(240))
     out["predicted"] = C.predict(out)
     return out
 

@@ -6,7 +6,8 @@ that the machine's load hits all of them alike:
 
 * **the link:** all-gathers of three sizes under ``emulate_link``; :func:`link.fit_link` turns
   their times into the α and β the planner uses (it does not read the emulator's settings);
-* **the compute:** a step of stage 0 and of stage 3 with no emulated link;
+* **the compute:** a step of stage 0 and of stage 3 with no emulated link (its loopback
+  collectives cost little, and on the emulated link they run inside the link's time);
 * **the truth:** the same steps on the emulated link.
 
 :func:`predict` then gives the planner the fitted link and the measured compute, and nothing
@@ -66,6 +67,7 @@ def _rank_main(opts: dict) -> dict:
                 steps={f"{s}/{int(slow)}": times[(s, slow)] for s, slow in items if s != "gather"})
 
 
+
 class _nothing:
     def __enter__(self):
         return None
@@ -75,25 +77,31 @@ class _nothing:
 
 
 def measure(model: str = "small", bandwidth_gbps: float = 0.1, latency_us: float = 200.0, *, batch: int = 8,
-            steps: int = 5, warmup: int = 1, world_size: int = 2, timeout: float = 300.0) -> dict:
+            steps: int = 9, warmup: int = 1, world_size: int = 2, timeout: float = 300.0) -> dict:
     """Measure the link and the steps on ``world_size`` local ranks; see the module docstring.
 
-    Returns the fitted :class:`Link`, and per stage the median step (slowest rank) with no
-    link ("compute") and on the link ("measured"), in seconds.
+    Every number is the best of ``steps`` rounds, each round's time being its slowest rank's:
+    on a shared machine load only ever adds time, so the best round is the closest to what the
+    code costs, for the inputs and for the truth alike. Returns the fitted :class:`Link` and per
+    stage the step with no emulated link ("compute_0", "compute_3") and on it ("measured_0",
+    "measured_3"), in seconds.
     """
-    from shardlab.bench.harness import slowest_median
+    from shardlab.bench.harness import slowest
     from shardlab.launch import run_ranks
 
     opts = dict(model=model, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us, batch=batch, steps=steps,
                 warmup=warmup)
     per_rank = run_ranks(_rank_main, world_size, opts, timeout=timeout)
+
+    def best(key, table="steps"):
+        return min(slowest([r[table][key] for r in per_rank]))
+
     sizes = sorted(per_rank[0]["gathers"])
-    seconds = [slowest_median([r["gathers"][s] for r in per_rank]) for s in sizes]
-    fitted = fit_link("all_gather", sizes, seconds, world_size)
-    out = dict(options=opts, world_size=world_size, link=fitted, gather_sizes=sizes, gather_s=seconds)
+    seconds = [best(size, "gathers") for size in sizes]
+    out = dict(options=opts, world_size=world_size, link=fit_link("all_gather", sizes, seconds, world_size),
+               gather_sizes=sizes, gather_s=seconds)
     for s in STAGES:
-        out[f"compute_{s}"] = slowest_median([r["steps"][f"{s}/0"] for r in per_rank])
-        out[f"measured_{s}"] = slowest_median([r["steps"][f"{s}/1"] for r in per_rank])
+        out[f"compute_{s}"], out[f"measured_{s}"] = best(f"{s}/0"), best(f"{s}/1")
     return out
 
 
