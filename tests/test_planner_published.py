@@ -16,10 +16,10 @@ from shardlab.course import calculator as calc
 from shardlab.instruments import memory_math as mm
 from shardlab.instruments import planner as P
 from shardlab.instruments import planner_presets as pp
-from shardlab.instruments.link import Link
+from shardlab.instruments import planner_published as pub
 
 GIB = 2**30
-GPT3 = pp.model("gpt3-175b")  # 96 layers, h 12288, 96 heads, vocab 51200, seq 2048: 174.6B
+GPT3 = pub.GPT3  # 96 layers, h 12288, 96 heads, vocab 51200, seq 2048: 174.6B
 
 
 def report(case, published, predicted):
@@ -69,37 +69,28 @@ def test_korthikanti_gpt3_layer():
 
 
 # --- Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473), Table 2, "ZeRO-3 without model
-# parallelism": 174.6B, global batch 1536, A100-80GB on Selene (8 × HDR 200 Gb/s a node),
-# TFLOPS per GPU counted with recompute (their eq. 3), as the planner's tflops_per_gpu is.
-MEGATRON = {384: (4, 144), 768: (2, 88), 1536: (1, 44)}
-WHY_MEGATRON = ("the planner lets NCCL's rings share a node's 8 NICs (200 GB/s) and overlaps gathers with "
-                "compute, so 3Ψ a step (~6 s) hides under 19-75 s of compute and TFLOPS stay ~155 at every "
-                "size. DeepSpeed's 2021 ZeRO-3 ran as if each GPU's 3Ψ crossed at ~16 GB/s exposed; PyTorch "
-                "FSDP reached 173 TFLOPS at the same batch per GPU on a similar network (test below). The "
-                "planner models the hardware, not that implementation.")
-
-
-def megatron(gpus):
-    micro, _ = MEGATRON[gpus]
-    plan = P.Plan("zero3", micro_batch=micro, checkpointing="full")
-    return P.step_time(GPT3, pp.cluster("a100", gpus, "ib-hdr"), plan).tflops_per_gpu
+# parallelism": 174.6B, global batch 1536, A100-80GB on Selene (8 × HDR 200 Gb/s a node): 144 / 88 /
+# 44 TFLOPS per GPU at 384 / 768 / 1536 GPUs (micro-batch 4 / 2 / 1), counted with recompute
+# (their eq. 3), as the planner's tflops_per_gpu is. Setup: planner_published.megatron_tflops.
+MEGATRON = pub.MEGATRON
 
 
 @pytest.mark.parametrize("gpus", [
     384,
-    pytest.param(768, marks=pytest.mark.xfail(strict=True, reason=WHY_MEGATRON)),
-    pytest.param(1536, marks=pytest.mark.xfail(strict=True, reason=WHY_MEGATRON)),
+    pytest.param(768, marks=pytest.mark.xfail(strict=True, reason=pub.WHY["megatron"])),
+    pytest.param(1536, marks=pytest.mark.xfail(strict=True, reason=pub.WHY["megatron"])),
 ])
 def test_megatron_zero3_tflops_within_20_percent(gpus):
-    ratio = report(f"Megatron ZeRO-3 {gpus} GPUs, TFLOPS/GPU", MEGATRON[gpus][1], megatron(gpus))
+    ratio = report(f"Megatron ZeRO-3 {gpus} GPUs, TFLOPS/GPU", MEGATRON[gpus][1], pub.megatron_tflops(gpus))
     assert abs(ratio - 1) <= 0.20
 
 
-@pytest.mark.xfail(strict=True, reason=WHY_MEGATRON)
+@pytest.mark.xfail(strict=True, reason=pub.WHY["megatron"])
 @pytest.mark.parametrize("small, big", [(384, 768), (768, 1536)])
 def test_megatron_zero3_collapse_on_doubling(small, big):
     published = MEGATRON[big][1] / MEGATRON[small][1]  # 0.61, 0.50
-    ratio = report(f"Megatron ZeRO-3 TFLOPS {big}/{small}", published, megatron(big) / megatron(small))
+    predicted = pub.megatron_tflops(big) / pub.megatron_tflops(small)
+    ratio = report(f"Megatron ZeRO-3 TFLOPS {big}/{small}", published, predicted)
     assert abs(ratio - 1) <= 0.20
 
 
@@ -107,33 +98,21 @@ def test_megatron_zero3_collapse_on_doubling(small, big):
 # 50000, block 2048), full sharding, backward prefetch, activation checkpointing, bf16, A100-80GB
 # "interconnected by a 2Tb/s RoCE network": more than 173 and 186 TFLOPS/GPU at batch 1 and 2,
 # linear from 128 to 512 GPUs. The paper gives no layers or hidden size: we assume GPT-3's (96, 12288,
-# 96 heads), and read 2 Tb/s as a node's total, 8 NICs of 250 Gb/s.
-MINGPT = pp.Transformer("minGPT-175B", 96, 12288, 96, 50000, 2048, tied=False)
-FSDP_GPUS = (128, 192, 256, 384, 512)
-WHY_FSDP_BATCH2 = ("compute-bound there, the planner predicts 50% of peak (156 TFLOPS) for every batch; the "
-                   "paper's batch-2 runs reached 60%. Larger micro-batches run bigger, more efficient matmuls, "
-                   "which one fixed fraction of peak does not know.")
-
-
-def fsdp(gpus, batch):
-    cluster = pp.Cluster(pp.gpu("a100"), gpus, 8, pp.network("nvlink3"), Link("RoCE, 2 Tb/s a node", 250.0, 5.0), 8)
-    return P.step_time(MINGPT, cluster, P.Plan("zero3", micro_batch=batch, checkpointing="full")).tflops_per_gpu
-
-
+# 96 heads), and read 2 Tb/s as a node's total, 8 NICs of 250 Gb/s (planner_published.fsdp_tflops).
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fsdp_175b_flat_from_128_to_512_gpus(batch):
-    tflops = [fsdp(n, batch) for n in FSDP_GPUS]
+    tflops = [pub.fsdp_tflops(n, batch) for n in pub.FSDP_GPUS]
     spread = max(tflops) / min(tflops) - 1
-    print(f"\nFSDP 175B batch {batch}: TFLOPS/GPU at {FSDP_GPUS} = {[round(t, 1) for t in tflops]}")
+    print(f"\nFSDP 175B batch {batch}: TFLOPS/GPU at {pub.FSDP_GPUS} = {[round(t, 1) for t in tflops]}")
     assert spread <= 0.05
 
 
 @pytest.mark.parametrize("batch, published", [
     (1, 173),
-    pytest.param(2, 186, marks=pytest.mark.xfail(strict=True, reason=WHY_FSDP_BATCH2)),
+    pytest.param(2, 186, marks=pytest.mark.xfail(strict=True, reason=pub.WHY["fsdp-batch-2"])),
 ])
 def test_fsdp_175b_tflops_within_15_percent(batch, published):
-    ratio = report(f"FSDP 175B batch {batch}, TFLOPS/GPU (512 GPUs)", published, fsdp(512, batch))
+    ratio = report(f"FSDP 175B batch {batch}, TFLOPS/GPU (512 GPUs)", published, pub.fsdp_tflops(512, batch))
     assert abs(ratio - 1) <= 0.15
 
 
@@ -142,9 +121,17 @@ def test_fsdp_175b_tflops_within_15_percent(batch, published):
 # the sharded states change with N, so the drop is 16Ψ(1/8 − 1/128).
 def test_torchtitan_memory_drop_8_to_128_gpus():
     llama = pp.model("llama3-8b")
-    plan = P.Plan("zero3", micro_batch=2, checkpointing="selective")
-    at = {n: P.memory(llama, pp.cluster("h100", n, "ib-ndr"), plan).total for n in (8, 128)}
-    drop = (at[8] - at[128]) / GIB
+    drop = pub.torchtitan_drop_gib()
     assert drop * GIB == pytest.approx(16 * llama.params * (1 / 8 - 1 / 128))
     ratio = report("torchtitan Llama 3 8B memory drop 8 -> 128 GPUs, GiB", 82.4 - 67.0, drop)
     assert abs(ratio - 1) <= 0.10
+
+
+def test_the_notebooks_table_agrees_with_these_tests():
+    """Notebook 08 prints planner_published.table(): its verdicts are the ones asserted above."""
+    rows = pub.rows()
+    missed = {r.case for r in rows if not r.within}
+    assert missed == {r.case for r in rows if r.why}, "a row that misses must say why, and only those"
+    assert len(missed) == 3 and all("ZeRO-3 175B" in c or "batch 2" in c for c in missed)
+    text = pub.table(rows)
+    assert all(r.case in text for r in rows) and text.count("see why") == 3
