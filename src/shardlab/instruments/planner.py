@@ -142,8 +142,8 @@ def memory(model, cluster: pp.Cluster, plan: Plan) -> Memory:
     m, r = pp.model(model), mm.recipe(plan.recipe)
     states = model_state_bytes(m.params, cluster.gpus, plan)
     acts = m.layers * korthikanti_layer_bytes(m, plan.micro_batch, plan.checkpointing)
-    if plan.checkpointing == "full":  # backward recomputes one layer at a time: its full activations return
-        acts += korthikanti_layer_bytes(m, plan.micro_batch, "none")
+    if plan.checkpointing == "full":  # backward recomputes one layer at a time; a fused attention
+        acts += korthikanti_layer_bytes(m, plan.micro_batch, "selective")  # kernel keeps no s×s scores
     acts += 4 * m.seq * plan.micro_batch * m.vocab  # fp32 log-softmax the loss keeps (as memory_math counts)
     gathered = 0.0
     if plan.stage in ("zero3", "hsdp"):

@@ -38,8 +38,8 @@ TORCHTITAN = {8: 82.4, 128: 67.0}
 WHY = {
     "megatron": ("the planner lets NCCL's rings share a node's 8 NICs (200 GB/s) and overlaps gathers with "
                  "compute, so 3Ψ a step (~6 s) hides under 19-75 s of compute and TFLOPS stay ~155 at every "
-                 "size. DeepSpeed's 2021 ZeRO-3 ran as if each GPU's 3Ψ crossed at ~16 GB/s, exposed; PyTorch "
-                 "FSDP reached 173 TFLOPS at the same batch per GPU on a similar network. The planner models "
+                 "size. DeepSpeed's 2021 ZeRO-3 ran as if each GPU's 3Ψ took ~67 s a step (~16 GB/s) whatever the "
+                 "compute; PyTorch FSDP reached 173 TFLOPS at the same batch per GPU on a similar network. The planner models "
                  "the hardware, not that implementation."),
     "fsdp-batch-2": ("compute-bound there, the planner predicts 50% of peak (156 TFLOPS) for every batch; the "
                      "paper's batch-2 runs reached 60%. Larger micro-batches run bigger, more efficient "
