@@ -155,3 +155,28 @@ def test_cli_prints_the_breakdown_and_the_choice():
 def test_cli_refuses_bad_input_with_the_fix(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_widget_falls_back_to_the_cli_text(monkeypatch, capsys):
+    from shardlab.course import planner_widget
+
+    monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
+    planner_widget.show(model="8b", gpus=64, network="100gbe", stage="hsdp", checkpointing="selective")
+    out = capsys.readouterr().out
+    assert "HSDP (shard 8), selective ckpt" in out and "Fastest that fits: HSDP" in out
+    words, fig = planner_widget.report("70b", 64, "h100", "ib-ndr", "zero3", "full")
+    mem_ax, time_ax = fig.axes[:2]
+    assert len(mem_ax.patches) == 3 * 5 and len(time_ax.patches) == 2 * 5  # 3 kinds, 2 parts, 5 plans
+    assert mem_ax.get_ylim()[1] < 1067 and "1,067 GiB" in " ".join(t.get_text() for t in mem_ax.texts)
+
+
+def test_widget_redraws_on_a_change():
+    pytest.importorskip("ipywidgets")
+    from shardlab.course import planner_widget
+
+    box = planner_widget.widget(model="70b", gpus=64, checkpointing="none")
+    table = box.children[-1]
+    assert "DOES NOT FIT" in table.value
+    checkpointing = box.children[0].children[1].children[1]
+    checkpointing.value = "full"
+    assert "fits" in table.value and "DOES NOT FIT" not in table.value

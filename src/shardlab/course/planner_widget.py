@@ -15,6 +15,7 @@ from shardlab.instruments.planner_cli import text
 
 GIB = 2**30
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULTS = dict(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3", checkpointing="full", micro_batch=1)
 
 
 def plan_for(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3", checkpointing="full",
@@ -93,16 +94,15 @@ def widget(**start):
     wide = {"style": {"description_width": "8em"}, "layout": W.Layout(width="24em")}
     controls = {
         "model": W.Dropdown(options=list(pp.ALIASES), description="model", **wide),
-        "gpus": W.Dropdown(options=GPU_COUNTS, description="GPUs", **wide),
+        "gpus": W.Dropdown(options=sorted({*GPU_COUNTS, start.get("gpus", 64)}), description="GPUs", **wide),
         "gpu": W.Dropdown(options=list(pp.GPUS), description="GPU", **wide),
         "network": W.Dropdown(options=["ib-ndr", "ib-hdr", "100gbe", "25gbe"], description="network", **wide),
         "stage": W.Dropdown(options=list(P.PLANS), description="plan", **wide),
         "checkpointing": W.Dropdown(options=list(P.CHECKPOINTING), description="checkpointing", **wide),
         "micro_batch": W.Dropdown(options=[1, 2, 4, 8], description="micro-batch", **wide),
     }
-    for name, w in controls.items():
-        if name in start:
-            w.value = start[name]
+    for name, value in (DEFAULTS | start).items():
+        controls[name].value = value
     out, table = W.Output(), W.HTML()
     table.add_class("shardlab-planner-table")
 
