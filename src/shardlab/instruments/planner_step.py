@@ -15,7 +15,9 @@ them. Per micro-batch, unit by unit, as ``engine/zero3.py`` and ``engine/ddp.py`
 
 The link carries one transfer at a time, in the order issued: a transfer starts when it is
 issued or when the link is free, whichever is later. That is the booking rule of
-``emulate_link`` on this machine, so the same replay predicts ShardLab's own steps.
+``emulate_link`` on this machine, so the same replay predicts ShardLab's own steps. What one
+collective costs comes from :func:`group_link` (below): NVLink inside a node, the node's NICs
+across nodes, priced by the α-β ring model of :func:`shardlab.instruments.link.link_delay`.
 """
 
 from __future__ import annotations
