@@ -6,8 +6,9 @@ that the machine's load hits all of them alike:
 
 * **the link:** all-gathers of three sizes under ``emulate_link``; :func:`link.fit_link` turns
   their times into the α and β the planner uses (it does not read the emulator's settings);
-* **the compute:** a step of stage 0 and of stage 3 with no emulated link (its loopback
-  collectives cost little, and on the emulated link they run inside the link's time);
+* **the compute:** a step of stage 0 and of stage 3 with no emulated link. Both compute the
+  same FLOPs; they differ by their loopback collectives, which on the emulated link run inside
+  the link's time. So the planner gets the faster of the two as the compute of either;
 * **the truth:** the same steps on the emulated link.
 
 :func:`predict` then gives the planner the fitted link and the measured compute, and nothing
@@ -124,5 +125,6 @@ def predict(result: dict) -> dict:
     out = {}
     for s in STAGES:
         plan = P.Plan(s, micro_batch=result["options"]["batch"], recipe="fp32-adam")
-        out[s] = P.step_time(model, cluster, plan, compute_s=result[f"compute_{s}"]).step_s
+        compute = min(result[f"compute_{t}"] for t in STAGES)  # see the module docstring
+        out[s] = P.step_time(model, cluster, plan, compute_s=compute).step_s
     return out
