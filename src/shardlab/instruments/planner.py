@@ -11,7 +11,8 @@ the course's own formulas, so a learner can check each answer against a publishe
 
 **Memory per GPU** = model states (:func:`memory_math.model_state_bytes`, the ZeRO paper) +
 activations (Korthikanti et al. 2022, §4: ``s·b·h·(34 + 5·a·s/h)`` bytes a layer without
-recompute, ``34·s·b·h`` with selective recompute, ``2·s·b·h`` with full) + the fp32 logits the
+recompute, ``34·s·b·h`` with selective recompute, ``2·s·b·h`` with full, plus one layer's
+``34·s·b·h`` while backward recomputes it) + the fp32 logits the
 loss keeps (``4·s·b·V``) + at ZeRO-3 the gathered units (the root stays gathered, plus one or
 two blocks and a block's gradient: :func:`memory_math.gathered_unit_bytes`).
 
