@@ -54,7 +54,7 @@ def build_info(executed: dict[str, dict]) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     ranks = sorted({m["ranks"] for m in executed.values() if m.get("ranks")})
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_model(),
-            "cores": os.cpu_count(), "backend": "gloo (CPU)", "ranks": ranks,
+            "cores": os.cpu_count(), "backend": "gloo on CPU", "ranks": ranks,
             "commit": commit.stdout.strip() or "unknown", "built_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "notebooks": executed}
 

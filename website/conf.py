@@ -31,6 +31,7 @@ html_title = "ShardLab: ZeRO and FSDP, built and measured"
 html_static_path = ["_static"]
 html_css_files = ["site.css"]
 html_last_updated_fmt = None
+html_context = {"default_mode": "light"}  # the theme logs an error on a first visit without it
 html_show_sourcelink = False
 ranks = " or ".join(str(r) for r in info["ranks"]) or "no"
 html_theme_options = {

@@ -90,6 +90,7 @@ def execute(notebook: Path, out_dir: Path, force: bool = False) -> tuple[Path, d
     try:
         _SiteClient(nb, timeout=int(CELL_TIMEOUT_S * slowdown()), kernel_name="python3",
                     coalesce_streams=True, record_timing=False,
+                    extra_arguments=["--IPKernelApp.log_level=ERROR"],  # no start-up chatter
                     resources={"metadata": {"path": str(notebook.parent)}}).execute()
     finally:
         if env_before is None:

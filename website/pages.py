@@ -191,7 +191,7 @@ def build_info_page(info: dict) -> str:
     return (f"# Build info: where the outputs came from\n\n"
             "Every output on this site was produced by running the notebooks once, top to bottom, "
             "with `make site` (`website/build.py`); the measurements depend on the machine below.\n\n"
-            f"| | |\n|---|---|\n| torch | {info['torch']} |\n| ranks per notebook | {ranks} ({info['backend']}) |\n"
+            f"| what | value |\n|---|---|\n| torch | {info['torch']} |\n| ranks per notebook | {ranks} ({info['backend']}) |\n"
             f"| CPU | {info['cpu']}, {info['cores']} cores |\n| Python | {info['python']} |\n"
             f"| ShardLab commit | `{info['commit']}` |\n| built | {info['built_at']} |\n\n"
             f"| notebook | ranks | run time | executed |\n|---|---|---|---|\n{rows}\n\n"
