@@ -37,7 +37,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
 MARKDOWN_PAGES = [*(f"docs/{p.stem}.html" for p in sorted((ROOT / "docs").glob("*.md"))),
                   "workshop/README.html", "workshop/AGENDA.html", "index.html", "about.html", "build-info.html"]
-BROKEN_WIDGET = ("Error displaying widget", "model not found", "Loading widget")
+#: What a widget shows on a page without a kernel when it did not fall back to text.
+BROKEN_WIDGET = ("Error displaying widget", "model not found", "Loading widget", "Box(children=")
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -134,6 +135,8 @@ def test_notebook_page_shows_every_output(browser, notebook):
         for words in BROKEN_WIDGET:
             assert words not in text, f"{page_path}: a widget did not fall back to text ({words!r})"
         assert "✓ Right" not in text, f"{page_path}: a quiz printed its answer"
+        if re.search(r"quiz\.(show|final)\(", "".join(c.source for c in source)):
+            assert "answer with: quiz.answer(" in text, f"{page_path}: the quiz's plain-text version is missing"
         for explanation in quiz_texts():
             assert explanation not in text, f"{page_path}: a quiz's explanation (its answer) is on the page"
         for words in (f"notebooks/{notebook.name}", "make lab", "make test", "torch "):

@@ -20,6 +20,8 @@ from pathlib import Path
 EXTRA_PAGES = ("BENCHMARKS.md", "workshop/README.md", "workshop/AGENDA.md")
 #: A repository file on the site under another name.
 RENAMED = {"README.md": "about.md"}
+#: The built site's entry page, as the README links it: on the site, the landing page.
+ENTRY = "_build/html/index.html"
 LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")
 RUN = ("`make lab` opens the course in JupyterLab, and `make test` runs the test suite and every "
        "notebook under nbval (the README's two commands, from a clone of ShardLab).")
@@ -32,7 +34,7 @@ def site_paths(root: Path) -> dict[str, str]:
     docs = sorted((root / "docs").glob("*.md"), key=lambda p: (p.stem != "cheatsheet", p.name))
     paths += [f"docs/{p.name}" for p in docs]
     paths += [p for p in EXTRA_PAGES if (root / p).exists()] + ["README.md"]
-    return {p: RENAMED.get(p, p) for p in paths}
+    return {p: RENAMED.get(p, p) for p in paths} | {ENTRY: "index.md"}
 
 
 def repo_url() -> str | None:
