@@ -160,7 +160,7 @@ def landing(root: Path, on_site: dict[str, str], dest_root: Path) -> str:
     """index.md: the README's opening, its two commands, its course tables; the sidebar's order."""
     readme = (root / "README.md").read_text(encoding="utf-8")
     intro = readme.split("\n## ", 1)[0].split("\n", 1)[1].strip()
-    quick = re.search(r"\n## Quick start\n(.*?)(?=\n## )", readme, re.S).group(1).strip()
+    quick = re.search(r"\n## Quick start\n(.*?)(?=\n## |\n- )", readme, re.S).group(1).strip()
     course = re.search(r"\n### The course\n(.*?)(?=\n## )", readme, re.S).group(1).strip()
     course, linked = _table_links(rewrite_links(course, "README.md", on_site, root, dest_root), on_site)
     quick = rewrite_links(quick, "README.md", on_site, root, dest_root)
@@ -180,7 +180,8 @@ def landing(root: Path, on_site: dict[str, str], dest_root: Path) -> str:
             "You are reading the course as a website: every notebook below was run once, on CPU "
             "ranks, when this site was built ([build info](build-info.md)), so you see its prints, "
             "figures, traces and tables without installing anything. Then run it yourself.\n\n"
-            f"## Run it yourself\n\n{quick}\n\n## The course\n\n{course}\n\n"
+            f"## The course\n\n{course}\n\n## Run it yourself\n\n{quick}\n\n"
+            "PyTorch versions, CPU or GPU, conda: [the README's quick start](about.md#quick-start).\n\n"
             + (f"Also on this site:\n\n{more}\n\n" if more else "")
             + "The cheat sheet and the other docs, the [workshop kit](workshop/README.md) and the "
               "[README](about.md) are in the sidebar.\n\n" + trees)
