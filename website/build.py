@@ -116,7 +116,8 @@ def main(argv=None) -> None:
         shutil.rmtree(HTML)
     sphinx()
     (HTML / ".nojekyll").touch()  # GitHub Pages: serve _static/ as it is
-    n_pages = len(list(HTML.rglob("*.html"))) - len(list(HTML.glob("_*/**/*.html")))
+    n_pages = len([p for p in HTML.rglob("*.html") if not p.relative_to(HTML).parts[0].startswith("_")
+                   and p.name not in ("genindex.html", "search.html")])
     print(f"make site: {n_pages} pages in {HTML.relative_to(ROOT)}/ (open index.html) in "
           f"{time.perf_counter() - t0:.0f} s: notebooks {t1 - t0:.0f} s, pages {time.perf_counter() - t1:.0f} s")
 
