@@ -44,6 +44,12 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape)
 
 
+def _is_view_of(grad: torch.Tensor | None, piece: torch.Tensor | None) -> bool:
+    """``grad`` is ``piece`` itself (same memory, same shape): the master's, not a new gradient."""
+    return (grad is not None and piece is not None and grad.shape == piece.shape
+            and grad.data_ptr() == piece.data_ptr())
+
+
 class UnitState(Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
@@ -153,7 +159,26 @@ class FlatUnit:
         if self.shard_views is not None:
             for p, view in zip(self.params, self.shard_views):
                 p.data = view
+            self._show_master_grads()
         events.emit("free", unit=self.name)
+
+    def _show_master_grads(self) -> None:
+        """At rest, each param's ``grad`` shows its piece of the master's gradient again.
+
+        Why (the stage-3 accumulation fix): while a unit is gathered its params are full-shaped,
+        so their shard-shaped grads are hidden (``p.grad = None``, the master keeps them). If
+        nothing showed them again at the next free, a second gather in the same accumulation
+        window (micro-batch 2's backward, after its forward freed the unit) would read that
+        ``None`` as the user's ``zero_grad`` and drop micro-batch 1's gradient. So the invariant
+        is: whenever params show shards, ``p.grad`` shows the master's gradient, except for a
+        param that holds a gradient of its own (``no_sync``) or that no rank used.
+        """
+        grad = self.master.grad
+        if grad is None:
+            return
+        for i, (p, piece) in enumerate(zip(self.params, self.pieces(grad))):
+            if p.grad is None and i not in self.unused:
+                p.grad = piece
 
     def _show_full_params(self) -> None:
         """Params become full views again; the shard gradients they showed go back to the master.
@@ -165,7 +190,7 @@ class FlatUnit:
         for p, piece in zip(self.params, self.pieces(grad) if grad is not None else ()):
             if p.grad is None and piece.numel():
                 piece.fill_(-0.0)  # dropped (the user's zero_grad, or unused): "no gradient"
-            elif p.grad is not None and p.grad.data_ptr() == piece.data_ptr() and p.grad.shape == piece.shape:
+            elif _is_view_of(p.grad, piece):
                 p.grad = None  # our shard view: the master keeps it
         if grad is not None and all(p.grad is None for p in self.params) and not grad.any():
             self.master.grad = None
@@ -187,8 +212,9 @@ class FlatUnit:
         """The unit's gradients as one padded flat buffer; ``-0.0`` where a parameter got none."""
         flat = torch.empty(self.padded_numel, dtype=dtype, device=self.full.device)
         flat[self.numel :].zero_()  # the padding
-        for g, p in zip(self.views(flat), self.params):
-            if p.grad is None:
+        shown = self.master_grad_pieces()  # at rest a grad may show the master's: not new here
+        for g, p, piece in zip(self.views(flat), self.params, shown):
+            if p.grad is None or _is_view_of(p.grad, piece):
                 g.fill_(-0.0)  # "no gradient here": only a sum of -0.0s is -0.0
             else:
                 torch.add(p.grad, 0.0, out=g)  # a copy that turns -0.0 into +0.0
@@ -217,17 +243,25 @@ class FlatUnit:
             return None
         return grad
 
+    def master_grad_pieces(self) -> list[torch.Tensor | None]:
+        """Stage 3: each param's piece of the master's gradient (what its ``grad`` shows at rest)."""
+        grad = self.master.grad if self.master is not None else None
+        if self.shard_views is None or grad is None:
+            return [None] * len(self.params)
+        return self.pieces(grad)
+
     def set_param_grads(self, flat: torch.Tensor | None, skip=()) -> None:
         """Point each ``p.grad`` at its part of ``flat``: full views, or shard pieces at stage 3.
 
-        None for params in ``skip``, for a piece with no elements on this rank (as FSDP1 does),
-        or for all when ``flat`` is None or not in the params' dtype.
+        A piece with no elements on this rank still gets its (empty) gradient, as FSDP2's empty
+        local shards do: code that checks every parameter got a gradient must not trip on it.
+        None for params in ``skip``, or for all when ``flat`` is None or not in the params' dtype.
         """
         parts = [None] * len(self.params)
         if flat is not None and flat.dtype == self.params[0].dtype:
             parts = self.pieces(flat) if self.shard_views is not None else self.views(flat)
         for i, (p, g) in enumerate(zip(self.params, parts)):
-            p.grad = None if i in skip or g is None or g.numel() == 0 else g
+            p.grad = None if i in skip else g
 
     # -- whole-tensor access (state dicts) --------------------------------------------------
     def gather_full_master(self) -> torch.Tensor:

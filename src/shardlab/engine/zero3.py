@@ -54,6 +54,8 @@ class FSDP(ZeRO2):
         self._position = {"forward": {u: i for i, u in enumerate(self.forward_order)},
                           "backward": {u: i for i, u in enumerate(self.backward_order)}}
         self._next = 0  # how far this phase's walk has come
+        #: root forwards run with grad enabled since the last backward (see ``holding``)
+        self._forwards_waiting = 0
         for unit in self.units:
             unit.shard_views = unit.pieces(unit.master.detach())
             unit.free()  # at rest: the master shard only
@@ -97,7 +99,23 @@ class FSDP(ZeRO2):
         if nxt < len(order):
             order[nxt].gather(async_op=True)
 
+    @property
+    def holding(self) -> bool:
+        """Several forwards before one backward (two inputs, one summed loss): keep every unit
+        gathered from the second forward until backward ends, and reduce when backward ends.
+
+        Why: the backward walk assumes one forward per backward. With two, a unit's gradients
+        arrive only after the backward of its *first* use, which the walk cannot place; and a
+        rank that skipped a unit in one forward would gather it at a different point than the
+        others. Holding needs no gathers in backward and issues every reduction in the fixed
+        order at its end, so all ranks still issue the same collectives. The price: the
+        weight memory of ``reshard_after_forward=False`` and no overlap, for this shape only.
+        """
+        return self._forwards_waiting > 0
+
     def _free_after_forward(self, unit: FlatUnit) -> None:
+        if self.holding:
+            return  # an earlier forward's backward may still need it (see ``holding``)
         if not torch.is_grad_enabled() or (self.reshard_after_forward and unit is not self.root):
             unit.free()  # (no grad: no backward will come, give everything back)
 
@@ -123,22 +141,28 @@ class FSDP(ZeRO2):
             self._enter("forward", unit)
             self._free_after_forward(unit)
         self._next = 0
+        if torch.is_grad_enabled():
+            self._forwards_waiting += 1
 
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
         """The gradient of the unit's output has arrived: its backward is next, gather it."""
         events.set_phase("backward")
-        self._walk_to("backward", unit, skipped=FlatUnit.free)
+        if self._forwards_waiting < 2:  # (holding: every unit is gathered already)
+            self._walk_to("backward", unit, skipped=FlatUnit.free)
         events.emit("backward", unit=unit.name)
 
     def post_backward(self, unit: FlatUnit) -> None:
-        super().post_backward(unit)  # reduce-scatter the gradients (async)
+        if self._forwards_waiting < 2:  # (holding: reduce when backward ends)
+            super().post_backward(unit)  # reduce-scatter the gradients (async)
         unit.free()
 
     def backward_done(self) -> None:
-        for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
-            self._enter("backward", unit)
-            unit.free()
+        if self._forwards_waiting < 2:
+            for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
+                self._enter("backward", unit)
+                unit.free()
         self._next = 0
+        self._forwards_waiting = 0
         for unit in self.units:  # e.g. a prefetched unit that was not used after all
             unit.free()
