@@ -34,8 +34,7 @@ lab: $(VENV)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --ServerApp.root_dir="$(CURDIR)" \
 		--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
-# What runs under nbval. CI runs `make site` first, which runs every notebook once, and then
-# `make test NBVAL=labs`: each notebook is executed once per CI run (docs/site.md says how).
+# What runs under nbval (`make test NBVAL=labs` skips the notebooks, e.g. right after `make site`).
 NBVAL ?= notebooks labs
 
 test: $(VENV)/.installed
