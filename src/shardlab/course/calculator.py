@@ -87,6 +87,7 @@ class CalculatorResult:
         if self.stage is not None:
             lines.append("Verdict: " + self.verdict())
         lines.append("GB = 10^9 bytes. Model state per the ZeRO paper; gathered units and buffers come on top.")
+        lines.append("At cluster scale, with activations and step time: notebook 08, python -m shardlab plan.")
         return "\n".join(lines)
 
     __str__ = text
