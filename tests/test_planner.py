@@ -28,7 +28,7 @@ def test_named_models_have_their_published_sizes(name, published):
 
 def test_the_course_gpt_counts_as_memory_math_does():
     from shardlab import models
-    from shardlab.instruments.planner_calibrate import transformer
+    from shardlab.bench.planner_calibrate import transformer
 
     for size in ("tiny", "small", "gpt-13m"):
         assert transformer(size).params == mm.gpt_param_count(models.SIZES[size])

@@ -14,7 +14,7 @@ is the best of 9 interleaved rounds (load only adds time).
 import pytest
 
 from conftest import slowdown
-from shardlab.instruments import planner_calibrate as C
+from shardlab.bench import planner_calibrate as C
 
 
 @pytest.fixture(scope="module")

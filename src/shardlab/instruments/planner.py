@@ -3,7 +3,7 @@
 Everything the course measures runs on a few CPU ranks, where sharding never runs out of
 memory and a gather costs little. The planner asks the same questions at cluster scale, with
 the course's own formulas, so a learner can check each answer against a published run
-(``tests/test_planner_published.py``) and against this machine (``planner_calibrate``)::
+(``tests/test_planner_published.py``) and against this machine (:mod:`shardlab.bench.planner_calibrate`)::
 
     from shardlab.instruments import planner, planner_presets as pp
     p = planner.predict("70b", pp.cluster("h100", 256, "ib-ndr"), planner.Plan("zero3", micro_batch=1))

@@ -63,7 +63,7 @@ def _rank_main(opts: dict) -> dict:
 
     # Link, compute and slow steps interleaved in the same rounds: load hits them all alike.
     items = [("gather", size) for size in SIZES] + [(s, slow) for s in STAGES for slow in (False, True)]
-    times, _ = timed_rounds(items, step, opts["warmup"], opts["steps"], dist.barrier)
+    times, _ = timed_rounds(items, step, opts["warmup"], opts["steps"], comm.barrier)
     return dict(gathers={size * n * 4: times[("gather", size)] for size in SIZES},
                 steps={f"{s}/{int(slow)}": times[(s, slow)] for s, slow in items if s != "gather"})
 
