@@ -34,7 +34,6 @@ PARTS = sorted(p.parent.name for p in PKG.glob("*/README.md"))
 # still calls a collective directly; once it does not, the test below fails until the entry is
 # removed, so this list can only shrink. Remove the list once those branches are merged.
 ONE_DOOR_PENDING = {
-    "shardlab/train.py": "its end-of-run dist.barrier(); owned by the GPU/cluster work",
     "shardlab/course/labs/pieces.py": "reference_grad_shards' dist.all_reduce; owned by the labs work",
 }
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
         # Leave together: a rank that tears down its gloo pairs while a peer still uses them can
         # make that peer abort ("terminate called without an active exception").
-        dist.barrier()
+        comm.barrier()
     except torch.OutOfMemoryError:
         # A lesson, not a crash: one line, and the group is aborted (no peer waits on this rank).
         world_size = int(os.environ.get("WORLD_SIZE", 1))
