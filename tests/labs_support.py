@@ -4,7 +4,6 @@ solutions a lab's ``labN_mistakes.py`` lists (each must get the hint naming its 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from conftest import SLOWDOWN
@@ -45,4 +44,4 @@ def assert_mistake(results: dict, wrong: dict, case: str, ws: int) -> None:
     assert result.mistake == mistake, result.line()
     assert words in result.message, result.line()
     assert "Traceback" not in result.message, result.line()
-    assert not re.match(r"ranks? [\d, ]+:", result.message), f"one mistake, one verdict: {result.line()}"
+    assert "another problem" not in result.message, f"one mistake, one verdict: {result.line()}"
