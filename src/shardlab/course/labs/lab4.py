@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import pieces
-from shardlab.course.labs.checking import Hint, task
-from shardlab.course.labs.pieces import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
+from shardlab.course.labs import lab_model
+from shardlab.course.labs.lab_model import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
+from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine import api
 
 CYCLE_FORWARD = ["gather", "forward", "free"]
@@ -45,11 +45,11 @@ def _must_be_gathered(unit, when: str) -> None:
 def check_forward(fn) -> str:
     """Run a 4-block model unit by unit through ``fn``; the weights must be borrowed only meanwhile."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     for u in units:
         trace.watch(u, forward_check=lambda u: _must_be_gathered(u, "forward"))
-    x, _ = pieces.batch(rank, 0)
+    x, _ = lab_model.batch(rank, 0)
     out = x
     try:
         for u in units:
@@ -62,8 +62,8 @@ def check_forward(fn) -> str:
                 raise Hint(f"forward returned {type(out).__name__}: return the unit's output, unit.module(x)")
     finally:
         trace.close()
-    want = pieces.make_model()(x)
-    if not pieces.close(out.detach(), want.detach()):
+    want = lab_model.make_model()(x)
+    if not lab_model.close(out.detach(), want.detach()):
         raise Hint("the output differs from the whole model's: return unit.module(x), run on the gathered weights")
     for u in units:
         seen = trace.of(u.name, ("gather", "forward", "free"))
@@ -76,8 +76,8 @@ def check_forward(fn) -> str:
 def check_prepare_backward(fn) -> str:
     """Forward unit by unit, ``fn(unit, out)`` after each; then one backward, compared with stage 3."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     left = {u.name: 0 for u in units}
     for u in units:
         trace.watch(u)
@@ -99,7 +99,7 @@ def check_prepare_backward(fn) -> str:
         trace.add("backward", u.name)
         left[u.name] = len(u.params)
 
-    x, y = pieces.batch(rank, 0)
+    x, y = lab_model.batch(rank, 0)
     out = x
     try:
         with trace.listen():
@@ -109,12 +109,12 @@ def check_prepare_backward(fn) -> str:
                 u.free()
                 fn(u, out)
                 out.register_hook(lambda grad, u=u: backward_starts(u))  # after the learner's hooks
-            pieces.loss_fn(out, y).backward()
+            lab_model.loss_fn(out, y).backward()
     finally:
         trace.close()
-    reference = pieces.make_model()  # stage 3 on the same data: every collective before any verdict
+    reference = lab_model.make_model()  # stage 3 on the same data: every collective before any verdict
     api.parallelize(reference, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
-    pieces.loss_fn(reference(x), y).backward()
+    lab_model.loss_fn(reference(x), y).backward()
 
     for u in units:
         if u.is_gathered:
@@ -129,7 +129,7 @@ def check_prepare_backward(fn) -> str:
         if seen != CYCLE:
             raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE)}")
     for u, ref in zip(units, api.engine_of(reference).units):
-        if not pieces.close(u.master.grad, ref.master.grad):
+        if not lab_model.close(u.master.grad, ref.master.grad):
             raise Hint(f"{u.name}'s gradient shard differs from ShardLab stage 3's: reduce once, after the "
                        "unit's last gradient")
     return (f"every unit went {' -> '.join(CYCLE)}; gradient shards match ShardLab stage 3; {_at_rest(units)}")

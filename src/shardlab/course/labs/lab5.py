@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import pieces
-from shardlab.course.labs.checking import Hint, task
+from shardlab.course.labs import lab_model
+from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine import api, events
 from shardlab.instruments.link import emulate_link, link_delay
 
@@ -42,11 +42,11 @@ def _too_many(most: int) -> Hint:
 def check_forward_prefetch(fn) -> str:
     """Run the 4-block model through ``fn``; each next gather must be in flight during this unit's forward."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     for u in units:
         trace.watch(u, forward_check=_not_in_flight)
-    x, _ = pieces.batch(rank, 0)
+    x, _ = lab_model.batch(rank, 0)
     try:
         with trace.listen():
             out = fn(units, x)
@@ -54,7 +54,7 @@ def check_forward_prefetch(fn) -> str:
         trace.close()
     if not torch.is_tensor(out):
         raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output")
-    if not pieces.close(out.detach(), pieces.make_model()(x).detach()):
+    if not lab_model.close(out.detach(), lab_model.make_model()(x).detach()):
         raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights")
     busy = [u.name for u in units if u.is_gathered]
     if busy:
@@ -78,9 +78,9 @@ def check_forward_prefetch(fn) -> str:
             f"{trace.most_gathered} units gathered at once; output matches the whole model")
 
 
-def _stage3(prefetch_next=None, *, d: int = pieces.D, prefetch: bool = True):
+def _stage3(prefetch_next=None, *, d: int = lab_model.D, prefetch: bool = True):
     """A stage-3 model of blocks; ``prefetch_next`` replaces the engine's own prefetch rule."""
-    model = pieces.make_model(d)
+    model = lab_model.make_model(d)
     model, optimizer = api.parallelize(model, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1, prefetch=prefetch)
     engine = api.engine_of(model)
     if prefetch_next is not None:
@@ -89,7 +89,7 @@ def _stage3(prefetch_next=None, *, d: int = pieces.D, prefetch: bool = True):
 
 
 def _step(model, optimizer, x, y) -> None:
-    pieces.loss_fn(model(x), y).backward()
+    lab_model.loss_fn(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -116,17 +116,17 @@ def check_prefetch_next(fn) -> str:
     model, optimizer, engine = _stage3(guarded)
 
     def record(name, fields):
-        most[0] = max(most[0], pieces.gathered(engine.units))
+        most[0] = max(most[0], watch.gathered(engine.units))
         log.append((name, fields.get("kind"), fields.get("unit")))
 
     steps = 2
     with events.listen(record):
         for step in range(steps):
-            _step(model, optimizer, *pieces.batch(rank, step))
+            _step(model, optimizer, *lab_model.batch(rank, step))
     mine = api.full_state_dict(model)  # every collective before any verdict
     ref_model, ref_opt, _ = _stage3(prefetch=False)
     for step in range(steps):
-        _step(ref_model, ref_opt, *pieces.batch(rank, step))
+        _step(ref_model, ref_opt, *lab_model.batch(rank, step))
     reference = api.full_state_dict(ref_model)
     if most[0] > MOST:
         raise _too_many(most[0])
@@ -151,7 +151,7 @@ def check_prefetch_next(fn) -> str:
         raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
                    "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
     for name, t in reference.items():
-        if not pieces.close(mine[name], t):
+        if not lab_model.close(mine[name], t):
             raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
     return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
             f"most {most[0]} units gathered at once; weights after {steps} steps match stage 3 without prefetch")
@@ -183,7 +183,7 @@ def _measure(prefetch_next, link: str, steps: int, d: int) -> dict:
                 if not async_op:
                     _waited[0] += time.perf_counter() - t
             unit.gather = timed
-        x, y = pieces.batch(rank, 0, d, rows=256)
+        x, y = lab_model.batch(rank, 0, d, rows=256)
         _step(model, optimizer, x, y)  # warm-up
         cost = [0.0]
 
