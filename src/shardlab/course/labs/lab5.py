@@ -16,26 +16,29 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import lab_model
+from shardlab.course.labs import lab_model, watch
 from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine import api, events
 from shardlab.instruments.link import emulate_link, link_delay
 
 MOST = 2  # units gathered at once: the one running and the next one
+STEPS = 3  # training steps in stage 3: the engine's state carries over
 
 
 def _not_in_flight(unit) -> None:
     if unit.gathering is not None:
         raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
-                   "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)")
+                   "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)",
+                   "a started gather is finished by a plain unit.gather() on the same unit", mistake="used_in_flight")
     if not unit.is_gathered:
-        raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first")
+        raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first",
+                   mistake="never_gathered")
 
 
 def _too_many(most: int) -> Hint:
     return Hint(f"{most} units held their full weights at once; at most {MOST} may: the one running and the "
                 "next. Prefetch only the next unit, and free each unit as soon as it is done",
-                stronger="if i + 1 < len(units): units[i + 1].gather(async_op=True)")
+                "how far ahead do you start gathers? One unit is enough to hide the wait", mistake="too_many")
 
 
 @task("lab5.forward_prefetch", fn_name="forward_prefetch")
@@ -53,13 +56,15 @@ def check_forward_prefetch(fn) -> str:
     finally:
         trace.close()
     if not torch.is_tensor(out):
-        raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output")
+        raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output",
+                   mistake="not_a_tensor")
     if not lab_model.close(out.detach(), lab_model.make_model()(x).detach()):
-        raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights")
+        raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights",
+                   mistake="wrong_values")
     busy = [u.name for u in units if u.is_gathered]
     if busy:
         raise Hint(f"{', '.join(busy)} still hold full weights at the end: free each unit after its forward",
-                   stronger="x = unit.module(x); unit.free()")
+                   "the last step for each unit, once its output is computed", mistake="not_freed")
     if trace.most_gathered > MOST:
         raise _too_many(trace.most_gathered)
     log = trace.log
@@ -70,10 +75,11 @@ def check_forward_prefetch(fn) -> str:
         if issued is None or issued > started:
             raise Hint(f"{u.name}'s gather started only after {prev.name}'s forward had begun: nothing overlaps. "
                        f"Start it (unit.gather(async_op=True)) before running {prev.name}",
-                       stronger="units[i + 1].gather(async_op=True)  # before x = unit.module(x)")
+                       "the next unit's gather goes before this unit's compute", mistake="no_overlap")
         if landed < done:
             raise Hint(f"you waited for {u.name}'s gather before {prev.name}'s forward ran, so it hid nothing: "
-                       "start it with unit.gather(async_op=True) and wait (unit.gather()) only when you need it")
+                       "start it with unit.gather(async_op=True) and wait (unit.gather()) only when you need it",
+                       "which call starts a gather without waiting?", mistake="waited_at_once")
     return (f"each unit's gather was in flight during the previous unit's forward; at most "
             f"{trace.most_gathered} units gathered at once; output matches the whole model")
 
@@ -107,7 +113,8 @@ def check_prefetch_next(fn) -> str:
             fn(order, unit)
         except IndexError as e:
             raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
-                       "prefetch only if there is one", stronger="if i + 1 < len(order): ...") from None
+                       "prefetch only if there is one", "compare the index with len(order) first",
+                       mistake="past_the_end") from None
         during = [(name, kind) for name, kind, _ in log[before:]]
         calls["issued"] += during.count(("comm", "all_gather"))
         calls["waited"] += during.count(("comm_done", "all_gather"))
@@ -119,7 +126,7 @@ def check_prefetch_next(fn) -> str:
         most[0] = max(most[0], watch.gathered(engine.units))
         log.append((name, fields.get("kind"), fields.get("unit")))
 
-    steps = 2
+    steps = STEPS
     with events.listen(record):
         for step in range(steps):
             _step(model, optimizer, *lab_model.batch(rank, step))
@@ -128,19 +135,21 @@ def check_prefetch_next(fn) -> str:
     for step in range(steps):
         _step(ref_model, ref_opt, *lab_model.batch(rank, step))
     reference = api.full_state_dict(ref_model)
-    if most[0] > MOST:
-        raise _too_many(most[0])
-    if calls["issued"] == 0:
-        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
-                   "(the current one is gathered already)", stronger="order[i + 1].gather(async_op=True)")
-    if calls["waited"]:
-        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
-                   "gather(async_op=True); the engine waits when that unit is about to run")
     n = len(engine.units)
     gathers = [i for i, (name, kind, _) in enumerate(log) if name == "comm" and kind == "all_gather"]
     if len(gathers) > 2 * n * steps:
         raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
-                   "forward, once for backward): you prefetched units that had already run")
+                   "forward, once for backward): you prefetched units that had already run",
+                   "which way does `order` run? The next unit is after `unit`, not before", mistake="prefetched_done")
+    if most[0] > MOST:
+        raise _too_many(most[0])
+    if calls["issued"] == 0:
+        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
+                   "(the current one is gathered already)", "find unit's index in order", mistake="started_none")
+    if calls["waited"]:
+        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
+                   "gather(async_op=True); the engine waits when that unit is about to run",
+                   "which call starts a gather without waiting?", mistake="waited_at_once")
     hidden = 0
     for i in gathers:
         unit = log[i][2]
@@ -149,10 +158,11 @@ def check_prefetch_next(fn) -> str:
     want = 2 * (n - 1) * steps
     if hidden < want:
         raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
-                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
+                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it",
+                   mistake="waited_at_once")
     for name, t in reference.items():
         if not lab_model.close(mine[name], t):
-            raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
+            raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch", mistake="wrong_values")
     return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
             f"most {most[0]} units gathered at once; weights after {steps} steps match stage 3 without prefetch")
 
