@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SLOWDOWN
-from shardlab.course.labs import checking
+from shardlab.course.labs import tasks
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.generate import BEGIN, STUB, dumps, strip_solution, student_notebook
 
@@ -49,7 +49,7 @@ def test_every_lab_with_a_solution_has_its_checks_and_a_check_cell_per_task():
     for solution in SOLUTIONS:
         lab = solution.stem.split("_")[0]
         text = solution.read_text()
-        for t in checking.lab_tasks(lab):
+        for t in tasks.lab_tasks(lab):
             assert f'check(\\"{t.id}\\", {t.fn_name})' in text, f"{solution.name}: no check cell for {t.id}"
 
 
