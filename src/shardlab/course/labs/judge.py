@@ -94,6 +94,7 @@ def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
     if isinstance(source, str) and os.path.abspath(source) in _import_failures:
         return dict(_import_failures[os.path.abspath(source)])
     files: set[str] = set()
+    fn = None
     set_collective_timeout(limit)
     if alarm:
         def _ring(signum, frame):
@@ -127,7 +128,7 @@ def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
         stub = _stub_name(exc)
         if str(exc).startswith("no function"):
             text = str(exc)
-        elif stub and stub != task.fn_name and stub != "_resolve":
+        elif fn is not None and stub not in (task.fn_name, getattr(fn, "__name__", None)):
             text = f"your {task.fn_name} calls {stub}, which is still a stub: finish that task first"
         else:
             text = f"write {task.fn_name} above, then run this cell again"

@@ -82,45 +82,69 @@ def run_on_cluster(task_id: str, fn, *, timeout: float | None = None, cluster=No
 
 # ---- on fresh local ranks --------------------------------------------------------------------
 
-def _on_fresh_rank(jobs: list, limits: list[float], log_dir: str) -> list[dict]:
-    """Judge ``jobs`` ((task id, source) pairs) in order, on this rank of a fresh process group.
+def _on_fresh_rank(jobs: list, limits: list[float], log_dir: str, sizes: tuple) -> dict:
+    """Judge ``jobs`` ((task id, source) pairs) on this rank, at each world size in ``sizes``:
+    all of them on every rank first, then, on the first ``sizes[1]`` ranks in a new group, again
+    the jobs that passed everywhere (no new processes: spawning ranks is the slow part).
 
     After each job the ranks compare outcomes through the rendezvous store, not a collective
     (a learner's unfinished collective must not meet it). If the group broke, every rank leaves
     it and all join a new one, so the next job starts clean in the same processes. Outcomes are
     also appended to ``log_dir/rank<r>.jsonl``, so that the parent knows how far a run got if a
-    rank crashes.
+    rank crashes. Returns {world size: {job index: outcome}}.
     """
     import torch.distributed as dist
 
-    rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    rank, backend = dist.get_rank(), dist.get_backend()
     store = dist.distributed_c10d._get_default_store()
-    outs = []
-    for k, ((task_id, source), limit) in enumerate(zip(jobs, limits)):
+    out: dict[int, dict[int, dict]] = {}
+    todo = list(range(len(jobs)))
+    for phase, ws in enumerate(sizes):
+        if phase:  # only the jobs that passed on every rank go on, on fewer ranks
+            todo = [k for k in todo if all(store.get(f"lab/{sizes[0]}/{k}/{r}") == b"pass" for r in range(sizes[0]))]
+            drop_group()
+            if rank >= ws or not todo:
+                break
+            dist.init_process_group(backend, store=dist.PrefixStore(f"lab/ws{ws}/", store), rank=rank,
+                                    world_size=ws, timeout=datetime.timedelta(seconds=max(limits)))
+        out[ws] = _judge_jobs(jobs, todo, limits, log_dir, ws, store)
+    return out
+
+
+def _judge_jobs(jobs, todo, limits, log_dir, ws, store) -> dict[int, dict]:
+    import torch.distributed as dist
+
+    rank, backend = dist.get_rank(), dist.get_backend()
+    outs = {}
+    for n, k in enumerate(todo):
+        (task_id, source), limit = jobs[k], limits[k]
         with contextlib.redirect_stdout(io.StringIO()):  # a learner's prints: not in the report
             out = judge(get_task(task_id), source, limit, alarm=True)
         if out.get("broken"):
             drop_group()  # a Hint raised inside a collective's call: release the peers now
-        outs.append(out)
+        outs[k] = out
         with open(os.path.join(log_dir, f"rank{rank}.jsonl"), "a") as log:
-            log.write(json.dumps(out) + "\n")
-        keys = [f"lab/{k}/{r}" for r in range(world_size)]
+            log.write(json.dumps({"ws": ws, "job": k, **out}) + "\n")
+        keys = [f"lab/{ws}/{k}/{r}" for r in range(ws)]
         store.set(keys[rank], "broken" if _breaks_group(out) else out["status"])
         store.wait(keys, datetime.timedelta(seconds=limit + 30))  # a dead peer: raise, the parent sees
-        if k + 1 < len(jobs) and any(store.get(key).decode() == "broken" for key in keys):
+        if n + 1 < len(todo) and any(store.get(key).decode() == "broken" for key in keys):
             drop_group()
-            dist.init_process_group(backend, store=dist.PrefixStore(f"lab/{k}/", store), rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=limit))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"lab/{ws}/{k}/", store), rank=rank,
+                                    world_size=ws, timeout=datetime.timedelta(seconds=limit))
     return outs
 
 
-def _logged(log_dir: str, world_size: int) -> list[list[dict]]:
-    """What each rank logged before its run failed."""
+def _logged(log_dir: str, world_size: int) -> list[dict]:
+    """What each rank logged before its run failed, as {world size: {job index: outcome}}."""
     logs = []
     for r in range(world_size):
         path = os.path.join(log_dir, f"rank{r}.jsonl")
         lines = open(path).read().splitlines() if os.path.exists(path) else []
-        logs.append([json.loads(line) for line in lines])
+        mine: dict[int, dict[int, dict]] = {}
+        for line in map(json.loads, lines):
+            mine.setdefault(line.pop("ws"), {})[line.pop("job")] = line
+        logs.append(mine)
     return logs
 
 
@@ -131,43 +155,59 @@ def run_on_fresh_ranks(jobs: list[tuple[str, object]], *, scale: float = 1.0,
     (importable: the ranks are spawned) or the path of a .py file that defines it.
 
     With no ``world_size``, each job runs on 4 ranks, and a job that passes there runs again on
-    3 (a failure on 3 ranks is told as such). ``scale`` multiplies every time limit (a loaded
-    machine), ``timeout`` replaces the tasks' own limits (seconds, before scaling);
+    3 of them (a failure on 3 ranks is told as such). ``scale`` multiplies every time limit (a
+    loaded machine), ``timeout`` replaces the tasks' own limits (seconds, before scaling);
     ``report(result)``, if given, is called with each final verdict, in the jobs' order.
     """
     report = report or (lambda result: None)
     sizes = (world_size,) if world_size else WORLD_SIZES
-    results = _run_at(jobs, sizes[0], scale, timeout)
-    for ws in sizes[1:]:
-        again = [i for i, r in enumerate(results) if r.passed]
-        for i, r in zip(again, _run_at([jobs[i] for i in again], ws, scale, timeout)):
-            results[i] = r if r.passed else dataclasses.replace(r, message=f"with {ws} ranks: {r.message}")
-    for r in results:
+    found: dict[int, dict[int, Result]] = {ws: {} for ws in sizes}
+    rounds = [(sizes, list(range(len(jobs))))]
+    while rounds:
+        round_sizes, todo = rounds.pop(0)
+        rounds += _round([jobs[i] for i in todo], round_sizes, scale, timeout, found, todo)
+    results = []
+    for i in range(len(jobs)):
+        r = found[sizes[0]][i]
+        for ws in sizes[1:]:
+            if r.passed and i in found[ws]:
+                again = found[ws][i]
+                r = dataclasses.replace(r, message=f"{r.message}; also on {ws} ranks") if again.passed else \
+                    dataclasses.replace(again, message=f"with {ws} ranks: {again.message}")
+        results.append(r)
         report(r)
     return results
 
 
-def _run_at(jobs, ws: int, scale: float, timeout: float | None) -> list[Result]:
-    """All jobs in one set of ``ws`` ranks; a rank that crashes ends the set, its job gets a
-    verdict and the rest continue on fresh ranks."""
+def _round(batch, sizes, scale, timeout, found, index) -> list:
+    """One set of ranks for ``batch``; verdicts into ``found``; the rounds still to run (after a crash)."""
     from shardlab.launch import RankError, run_ranks
 
-    results: list[Result] = []
-    todo = list(jobs)
-    while todo:
-        limits = [(timeout or get_task(t).timeout) * scale for t, _ in todo]
-        crash = None
-        with tempfile.TemporaryDirectory() as log_dir:
-            try:
-                per_rank = run_ranks(_on_fresh_rank, ws, todo, limits, log_dir,
-                                     timeout=60.0 * scale + 1.5 * sum(limits))
-            except RankError as exc:  # a rank died or hung: keep the jobs every rank finished
-                crash, per_rank = exc, _logged(log_dir, ws)
-        done = min(len(o) for o in per_rank) if crash else max(len(o) for o in per_rank)
-        for i in range(done):
-            results.append(verdict(todo[i][0], [o[i] if i < len(o) else None for o in per_rank], limits[i], ws))
-        if crash is not None and done < len(todo):  # the job the ranks were on when it happened
-            results.append(crashed(todo[done][0], crash, limits[done], ws))
-            done += 1
-        todo = todo[done:]
-    return results
+    limits = [(timeout or get_task(t).timeout) * scale for t, _ in batch]
+    crash = None
+    with tempfile.TemporaryDirectory() as log_dir:
+        try:
+            per_rank = run_ranks(_on_fresh_rank, sizes[0], batch, limits, log_dir, sizes,
+                                 timeout=60.0 * scale + 1.5 * len(sizes) * sum(limits))
+        except RankError as exc:  # a rank died or hung: keep the jobs every rank finished
+            crash, per_rank = exc, _logged(log_dir, sizes[0])
+    later, passed = [], []
+    for phase, ws in enumerate(sizes):
+        todo = list(range(len(batch))) if not phase else passed
+        passed, stop = [], None
+        for k in todo:
+            outcomes = [per_rank[r].get(ws, {}).get(k) for r in range(ws)]
+            if crash is not None and any(o is None for o in outcomes):
+                stop = k
+                break
+            found[ws][index[k]] = verdict(batch[k][0], outcomes, limits[k], ws)
+            passed += [k] if found[ws][index[k]].passed else []
+        if stop is not None:  # the job the ranks were on when it happened, then the rest afresh
+            found[ws][index[stop]] = crashed(batch[stop][0], crash, limits[stop], ws)
+            rest = todo[todo.index(stop) + 1:]
+            if rest:
+                later.append((sizes[phase:], [index[k] for k in rest]))
+            if passed and phase + 1 < len(sizes):
+                later.append((sizes[phase + 1:], [index[k] for k in passed]))
+            break
+    return later
