@@ -77,6 +77,12 @@ def gather_buffer_for_four(shard, numel, world_size):
     return full[:numel]
 
 
+def gather_buffer_rounded_up(shard, numel, world_size):  # sized from numel, not from the shards
+    full = torch.empty(numel + 1)
+    comm.all_gather(full, shard)
+    return full[:numel]
+
+
 def gather_with_torch_list(shard, numel, world_size):  # correct: torch.distributed's list form
     parts = [torch.empty_like(shard) for _ in range(world_size)]
     dist.all_gather(parts, shard)
@@ -116,6 +122,12 @@ def mean_divided_by_four(grad, world_size):
     shard = torch.empty(grad.numel() // world_size)
     comm.reduce_scatter(shard, grad)
     return shard / 4
+
+
+def mean_shard_one_too_long(grad, world_size):  # rounded up "to be safe"
+    shard = torch.empty(grad.numel() // world_size + 1)
+    comm.reduce_scatter(shard, grad)
+    return shard[:-1] / world_size
 
 
 def mean_returns_the_full_buffer(grad, world_size):
@@ -189,12 +201,14 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
     "gather forgets the collective": (GATHER, gather_forgot_the_collective, "no_all_gather", "you returned one shard"),
+    "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes", "do not fit"),
     "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
     "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: did you divide the SUM"),
     "mean divided twice": (MEAN, mean_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "mean of the next rank's shard": (MEAN, mean_of_the_next_ranks_shard, "wrong_shard", "another rank's shard"),
     "mean by all-reduce and slice": (MEAN, mean_by_all_reduce_and_slice, "all_reduce_instead", "you all-reduced"),
     "mean of its own gradient": (MEAN, mean_own_gradient_only, "no_reduce", "only this rank's own gradient"),
+    "mean shard buffer one too long": (MEAN, mean_shard_one_too_long, "collective_sizes", "do not fit"),
     "mean returns the full buffer": (MEAN, mean_returns_the_full_buffer, "full_size", "full-size gradient"),
     "all-reduce via comm.all_reduce": (ALL, all_reduce_with_comm_all_reduce, "all_reduce_instead", "you called all-reduce"),
     "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),

@@ -49,7 +49,8 @@ def verdict(task_id: str, outcomes: list, limit: float, world_size: int | None =
         return done("pass", outcomes[0]["message"])
     waited = [r for r, o in enumerate(outcomes) if o["message"] == deadlock]
     looped = [r for r, o in enumerate(outcomes) if o["status"] == "timed out" and r not in waited]
-    if not any(o["status"] in ("error", "fail") for o in outcomes) and not looped and waited:
+    if not any(o["status"] == "error" for o in outcomes) and not looped and waited:
+        # ranks left waiting: that is what happened, whatever the ranks that went on concluded
         others = [r for r in range(len(outcomes)) if r not in waited]
         if others:  # name the ranks that went on: they skipped (or added) a collective
             deadlock += (f" Rank{'s' if len(waited) > 1 else ''} {_list(waited)} waited in a "
