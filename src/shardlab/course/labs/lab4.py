@@ -165,8 +165,10 @@ def check_prepare_backward(fn) -> str:
         trace.close()
     for k, step in enumerate(steps, 1):
         _judge_step(units, step, k)
-    return (f"every unit went {' -> '.join(CYCLE)} in each of {STEPS} steps; at most {max(s['most'] for s in steps)} "
-            f"units held full weights at once; gradient shards match ShardLab stage 3; {_at_rest(units)}")
+    most = max(s["most"] for s in steps)
+    return (f"every unit went {' -> '.join(CYCLE)} in each of {STEPS} steps; at most {most} unit"
+            f"{'s' if most != 1 else ''} held full weights at once; gradient shards match ShardLab stage 3; "
+            f"{_at_rest(units)}")
 
 
 def _judge_step(units, step: dict, k: int) -> None:
