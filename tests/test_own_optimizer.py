@@ -27,8 +27,9 @@ def test_stage3_grads_are_this_ranks_piece_of_the_mean_gradient():
             assert sum(row["param_shape"][0] for row in rows) == rows[0]["full_numel"], name  # pieces tile it
             for row in rows:
                 assert row["param_dtype"] == torch.float32  # at rest: the fp32 master's piece
-                if row["grad"] is None:  # a rank holding no element of this parameter
-                    assert row["param_shape"] == (0,), name
+                assert row["grad"] is not None, name  # every param gets one, an empty piece too
+                if row["param_shape"] == (0,):  # a rank holding no element of this parameter
+                    assert row["grad"].shape == (0,) and row["grad"].dtype == torch.float32, name
                     continue
                 assert row["grad"].shape == row["param_shape"] and row["grad"].dtype == torch.float32, name
                 tol = 1e-6 if mixed is None else 2e-2 * row["expected"].abs().max().item() + 1e-6
@@ -52,6 +53,7 @@ def test_memory_report_counts_every_byte_once_with_either_optimizer():
         assert returned["params"] == 4 * layout["shard"]
         # AdamW: two fp32 moments per element it steps, plus one 4-byte step per tensor
         assert returned["optimizer"] == 8 * layout["shard"] + 4 * layout["units"]
-        assert own["optimizer"] == 8 * layout["real"] + 4 * layout["pieces"]  # no padding, a step per piece
+        # no padding; a step per parameter, an empty piece included (it has its empty gradient)
+        assert own["optimizer"] == 8 * layout["real"] + 4 * layout["params"]
         for report in (returned, own):
             assert report["total"] == sum(v for k, v in report.items() if k not in ("total", "padding"))

@@ -16,11 +16,8 @@ references stay valid) but their ``.data`` is re-pointed at views into ``full``.
 A unit is in one of three states (FSDP2's ``ShardedState``): ``SHARDED`` (only the master shard
 exists), ``GATHERING`` (an all-gather is in flight) or ``GATHERED`` (``full`` holds every element).
 
-Gradients that never came: when a unit packs its gradients, a parameter that got none on this
-rank is sent as ``-0.0``. In IEEE arithmetic a sum is ``-0.0`` only if every term is, and a
-gradient that exists is sent as ``grad + 0.0`` (never ``-0.0``), so after the reduction the
-gradient itself says whether *any* rank used a parameter (:meth:`FlatUnit.find_unused`), with no
-extra collective. ``parallelize`` checks once that the backend keeps the sign of zero.
+Gradients that never came are sent as ``-0.0``, so that the reduced gradient itself says
+whether any rank used a parameter: ``missing_grads.py`` explains the convention.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.engine import comm, events
+from shardlab.engine.missing_grads import mark_unused, send_missing, send_present
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -41,6 +39,12 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     like an in-place change of the parameters it saved for backward.
     """
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape)
+
+
+def _is_view_of(grad: torch.Tensor | None, piece: torch.Tensor | None) -> bool:
+    """``grad`` is ``piece`` itself (same memory, same shape): the master's, not a new gradient."""
+    return (grad is not None and piece is not None and grad.shape == piece.shape
+            and grad.data_ptr() == piece.data_ptr())
 
 
 class UnitState(Enum):
@@ -86,9 +90,13 @@ class FlatUnit:
         self.master: nn.Parameter | None = None  # what the optimizer steps: set by the stage
         self.shard_views: list[torch.Tensor] | None = None  # stage 3: what params show at rest
         self.grads_to_come = len(params)  # countdown of gradients still to come in this backward
+        #: per param, the gradient accumulators its uses in this graph hold (stage 3 in mixed
+        #: precision, see ``FSDP.count_accumulators``); each fires the post-accumulate hook once
+        self.accumulators: list[dict[int, object]] = [{} for _ in params]
         self.reduced = False  # this backward's reduction is issued
         self.forward_calls = 0  # forwards run in this step (stage 3 counts them)
         self.unused: list[int] = []  # params that no rank gave a gradient in the last backward
+        self.no_grad_here: set[int] = set()  # params this rank gave no gradient in the last packing
         self._gathering: comm.Pending | None = None
 
     # -- layout ---------------------------------------------------------------------------
@@ -157,7 +165,26 @@ class FlatUnit:
         if self.shard_views is not None:
             for p, view in zip(self.params, self.shard_views):
                 p.data = view
+            self._show_master_grads()
         events.emit("free", unit=self.name)
+
+    def _show_master_grads(self) -> None:
+        """At rest, each param's ``grad`` shows its piece of the master's gradient again.
+
+        Why (the stage-3 accumulation fix): while a unit is gathered its params are full-shaped,
+        so their shard-shaped grads are hidden (``p.grad = None``, the master keeps them). If
+        nothing showed them again at the next free, a second gather in the same accumulation
+        window (micro-batch 2's backward, after its forward freed the unit) would read that
+        ``None`` as the user's ``zero_grad`` and drop micro-batch 1's gradient. So the invariant
+        is: whenever params show shards, ``p.grad`` shows the master's gradient, except for a
+        param that holds a gradient of its own (``no_sync``) or that no rank used.
+        """
+        grad = self.master.grad
+        if grad is None:
+            return
+        for i, (p, piece) in enumerate(zip(self.params, self.pieces(grad))):
+            if p.grad is None and i not in self.unused:
+                p.grad = piece
 
     def _show_full_params(self) -> None:
         """Params become full views again; the shard gradients they showed go back to the master.
@@ -166,13 +193,16 @@ class FlatUnit:
         gradient the user dropped (``zero_grad`` of their own optimizer) is dropped in the master.
         """
         grad = self.master.grad
-        for p, piece in zip(self.params, self.pieces(grad) if grad is not None else ()):
+        pieces = self.pieces(grad) if grad is not None else []
+        dropped = 0
+        for p, piece in zip(self.params, pieces):
             if p.grad is None and piece.numel():
-                piece.fill_(-0.0)  # dropped (the user's zero_grad, or unused): "no gradient"
-            elif p.grad is not None and p.grad.data_ptr() == piece.data_ptr() and p.grad.shape == piece.shape:
+                send_missing(piece)  # dropped (the user's zero_grad, or unused): "no gradient"
+                dropped += 1
+            elif _is_view_of(p.grad, piece):
                 p.grad = None  # our shard view: the master keeps it
-        if grad is not None and all(p.grad is None for p in self.params) and not grad.any():
-            self.master.grad = None
+        if grad is not None and dropped == sum(piece.numel() > 0 for piece in pieces):
+            self.master.grad = None  # every piece dropped: as if zero_grad(set_to_none=True)
         for p, view in zip(self.params, self._full_views):
             p.data = view
 
@@ -186,16 +216,24 @@ class FlatUnit:
         """The all-gather in flight, if any (read-only)."""
         return self._gathering
 
+    @property
+    def grads_per_backward(self) -> int:
+        """How many post-accumulate hook calls a backward brings: one per param and accumulator."""
+        return sum(max(1, len(seen)) for seen in self.accumulators)
+
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """The unit's gradients as one padded flat buffer; ``-0.0`` where a parameter got none."""
         flat = torch.empty(self.padded_numel, dtype=dtype, device=self.full.device)
         flat[self.numel :].zero_()  # the padding
-        for g, p in zip(self.views(flat), self.params):
-            if p.grad is None:
-                g.fill_(-0.0)  # "no gradient here": only a sum of -0.0s is -0.0
+        shown = self.master_grad_pieces()  # at rest a grad may show the master's: not new here
+        self.no_grad_here = set()
+        for i, (g, p, piece) in enumerate(zip(self.views(flat), self.params, shown)):
+            if p.grad is None or _is_view_of(p.grad, piece):
+                send_missing(g)
+                self.no_grad_here.add(i)
             else:
-                torch.add(p.grad, 0.0, out=g)  # a copy that turns -0.0 into +0.0
+                send_present(p.grad, g)
         return flat
 
     def reduce_scatter(self, grad: torch.Tensor) -> Reduction:
@@ -203,35 +241,29 @@ class FlatUnit:
         shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
         return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, async_op=True), shard)
 
-    def find_unused(self, grad: torch.Tensor) -> list[int]:
-        """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them)."""
-        spans = [(i, a, b) for i, (a, b) in enumerate(self.ranges(grad)) if b > a]
-        if not spans:
-            return []
-        firsts = grad[torch.tensor([a for _, a, _ in spans], device=grad.device)]
-        maybe = ((firsts == 0) & firsts.signbit()).tolist()
-        return [i for (i, a, b), m in zip(spans, maybe, strict=True)
-                if m and bool(((grad[a:b] == 0) & grad[a:b].signbit()).all())]
-
     def mark_unused(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Set ``unused`` from the reduced ``grad`` (this rank's part); return what the optimizer
-        should step: ``grad``, or None when every param with elements here went unused."""
-        self.unused = self.find_unused(grad) if grad is not None else []
-        if self.unused and len(self.unused) == sum(b > a for a, b in self.ranges(grad)):
-            return None
-        return grad
+        """Set ``unused`` from the reduced ``grad``: see :func:`missing_grads.mark_unused`."""
+        return mark_unused(self, grad)
+
+    def master_grad_pieces(self) -> list[torch.Tensor | None]:
+        """Stage 3: each param's piece of the master's gradient (what its ``grad`` shows at rest)."""
+        grad = self.master.grad if self.master is not None else None
+        if self.shard_views is None or grad is None:
+            return [None] * len(self.params)
+        return self.pieces(grad)
 
     def set_param_grads(self, flat: torch.Tensor | None, skip=()) -> None:
         """Point each ``p.grad`` at its part of ``flat``: full views, or shard pieces at stage 3.
 
-        None for params in ``skip``, for a piece with no elements on this rank (as FSDP1 does),
-        or for all when ``flat`` is None or not in the params' dtype.
+        A piece with no elements on this rank still gets its (empty) gradient, as FSDP2's empty
+        local shards do: code that checks every parameter got a gradient must not trip on it.
+        None for params in ``skip``, or for all when ``flat`` is None or not in the params' dtype.
         """
         parts = [None] * len(self.params)
         if flat is not None and flat.dtype == self.params[0].dtype:
             parts = self.pieces(flat) if self.shard_views is not None else self.views(flat)
         for i, (p, g) in enumerate(zip(self.params, parts)):
-            p.grad = None if i in skip or g is None or g.numel() == 0 else g
+            p.grad = None if i in skip else g
 
     # -- whole-tensor access (state dicts) --------------------------------------------------
     def gather_full_master(self) -> torch.Tensor:

@@ -54,7 +54,7 @@ class StageOptimizer(torch.optim.Optimizer):
         events.emit("step_end")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        self.engine.zero_grad(set_to_none)
 
     def state_dict(self):
         return self.inner.state_dict()

@@ -2,7 +2,7 @@
 
 A per-parameter optimizer skips a parameter whose ``grad`` is None. Ours steps one flat master
 per unit, so after backward each unit lists its unused params (``unit.unused``, found by the
-sign of zero, see ``FlatUnit.find_unused``), and the optimizer holds their elements and state
+sign of zero, see ``missing_grads.py``), and the optimizer holds their elements and state
 aside, steps the master whole, and puts them back. Both optimizers do this: the one
 ``parallelize`` returns (``optim.py``) and ``ShardedOptimizer``.
 

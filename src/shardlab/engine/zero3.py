@@ -23,8 +23,14 @@ Gathers are collectives too, and which units a rank runs can depend on its data 
 token chose). So every rank walks the units in one fixed order, forward (registration order)
 and backward (its reverse, a nested unit after the one around it): on reaching a unit it first
 does, for each unit it skipped, what the ranks that ran it do (gather, free; in backward the
-skipped unit's reduction starts with ``-0.0``). The price of that rule, as in FSDP: each unit runs
-its forward at most once per step and in registration order, unless every rank does the same.
+skipped unit's reduction starts with ``-0.0``). The price of that rule, as in FSDP: a unit that
+runs twice in one forward (weights reused) must do so on every rank.
+
+Loops people write all train like one process (``tests/test_loop_shapes.py``): a backward per
+micro-batch with or without ``no_sync``, a validation forward in between, checkpointing, and
+several forwards before one backward (two inputs, one summed loss). That last shape is *held*
+(:attr:`FSDP.holding`): from its second forward every unit stays gathered, and the reductions
+wait for the end of backward.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from shardlab.engine import events
 from shardlab.engine.base import TrainingState, on_output_grad
 from shardlab.engine.flat import FlatUnit, Reduction
+from shardlab.engine.missing_grads import walked_past
 from shardlab.engine.zero2 import ZeRO2
 
 
@@ -47,13 +54,19 @@ class FSDP(ZeRO2):
         #: start the next unit's all-gather before it is needed
         self.prefetch = prefetch
         super().__init__(model, **kwargs)
+        for unit in self.others:  # the last unit nested inside each (units are in registration order)
+            inside = {id(m) for m in unit.module.modules()}
+            unit.last_index = max(u.index for u in self.others if id(u.module) in inside)
         root = [self.root] if self.root else []
-        self.forward_order = root + self.others
-        # reverse of the order in which units finish their forward: a nested unit after its parent
-        self.backward_order = root + sorted(self.others, key=lambda u: (u.last_index, -u.index), reverse=True)
-        self._position = {"forward": {u: i for i, u in enumerate(self.forward_order)},
-                          "backward": {u: i for i, u in enumerate(self.backward_order)}}
+        # forward: registration order; backward: the reverse of the order in which units finish
+        # their forward (a nested unit after its parent)
+        self.order = {TrainingState.FORWARD: root + self.others,
+                      TrainingState.BACKWARD: root + sorted(self.others, key=lambda u: (u.last_index, -u.index), reverse=True)}
+        self._position = {phase: {u: i for i, u in enumerate(order)} for phase, order in self.order.items()}
         self._next = 0  # how far this phase's walk has come
+        #: forwards with autograd on since the first forward after the last backward: the
+        #: graph the next backward walks (a retained graph is walked again with the same count)
+        self._window_forwards, self._window_closed = 0, False
         for unit in self.units:
             unit.shard_views = unit.pieces(unit.master.detach())
             unit.free()  # at rest: the master shard only
@@ -71,9 +84,9 @@ class FSDP(ZeRO2):
         """Nothing to gather: the next forward borrows the fresh shards when it needs them."""
 
     # -- the walk: every rank gathers the same units in the same order ----------------------
-    def _walk_to(self, phase: str, unit: FlatUnit, skipped) -> None:
+    def _walk_to(self, phase: TrainingState, unit: FlatUnit, skipped) -> None:
         """Gather ``unit``, first catching up on the units before it that this rank skipped."""
-        order, position = getattr(self, f"{phase}_order"), self._position[phase][unit]
+        order, position = self.order[phase], self._position[phase][unit]
         if position < self._next:  # passed already: a unit run twice (every rank must do so)
             unit.gather()
             return
@@ -82,11 +95,11 @@ class FSDP(ZeRO2):
             skipped(other)
         self._enter(phase, unit)
 
-    def _enter(self, phase: str, unit: FlatUnit) -> None:
-        order = getattr(self, f"{phase}_order")
+    def _enter(self, phase: TrainingState, unit: FlatUnit) -> None:
+        order = self.order[phase]
         self._next = self._position[phase][unit] + 1
-        if phase == "backward":  # the units after this one's subtree are done: reduce them now
-            self.issue_reductions(force=lambda u: u.index > unit.last_index and u.forward_calls < 2 and u is not self.root)
+        if phase is TrainingState.BACKWARD:  # the units after this one's subtree are done: reduce them now
+            self.issue_reductions(force=lambda u: walked_past(u, entering=unit, root=self.root))
         unit.gather()  # waits here if a prefetch already started it
         if self.prefetch:
             self.prefetch_next(order, unit)
@@ -97,21 +110,68 @@ class FSDP(ZeRO2):
         if nxt < len(order):
             order[nxt].gather(async_op=True)
 
+    @property
+    def holding(self) -> bool:
+        """Several forwards before one backward (two inputs, one summed loss): keep every unit
+        gathered from the second forward until backward ends, and reduce when backward ends.
+
+        Why: the backward walk assumes one forward per backward. With two, a unit's gradients
+        arrive only after the backward of its *first* use, which the walk cannot place; and a
+        rank that skipped a unit in one forward would gather it at a different point than the
+        others. Holding needs no gathers in backward and issues every reduction in the fixed
+        order at its end, so all ranks still issue the same collectives. The price: the
+        weight memory of ``reshard_after_forward=False`` and no overlap, for this shape only.
+        """
+        return self._window_forwards > 0 and not self._window_closed
+
+    @property
+    def held_backward(self) -> bool:
+        """This backward walks a graph of several forwards: reduce when it ends (see ``holding``)."""
+        return self._window_forwards > 1
+
     def _free_after_forward(self, unit: FlatUnit) -> None:
+        if self.holding:
+            return  # an earlier forward's backward may still need it (see ``holding``)
         if not torch.is_grad_enabled() or (self.reshard_after_forward and unit is not self.root):
             unit.free()  # (no grad: no backward will come, give everything back)
 
     # -- forward ----------------------------------------------------------------------------
+    def count_accumulators(self, unit: FlatUnit) -> None:
+        """Mixed precision: note each param's gradient accumulator in this use of the unit.
+
+        Why: a param's dtype flips between bf16 (gathered) and its fp32 piece (at rest), and
+        torch drops a param's accumulator when its dtype changes. A unit freed between two uses
+        in one graph (called twice, or two forwards) so has two accumulators, and each calls
+        the post-accumulate hook: the countdown must expect both, or it reduces too early.
+        """
+        for p, seen in zip(unit.params, unit.accumulators):
+            node = p.view_as(p).grad_fn.next_functions[0][0]  # its AccumulateGrad, as FSDP1 finds it
+            if id(node) not in seen:
+                unit.grads_to_come += 1 if seen else 0
+                seen[id(node)] = node  # (held: the id stays unique while the graph lives)
+
+    def forward_start(self) -> None:
+        """Count this forward's unit calls afresh; after a backward, a new graph begins."""
+        for unit in self.units:
+            unit.forward_calls = 0
+        if self._window_closed and torch.is_grad_enabled():  # forget the last graph's accumulators
+            self._window_forwards, self._window_closed = 0, False
+            for unit in self.units:
+                unit.accumulators = [{} for _ in unit.params]
+                unit.grads_to_come = len(unit.params)
+
     def pre_forward(self, unit: FlatUnit) -> None:
         if self.state is TrainingState.FORWARD:
             unit.forward_calls += 1
-            self._walk_to("forward", unit, skipped=self._free_after_forward)
+            self._walk_to(TrainingState.FORWARD, unit, skipped=self._free_after_forward)
         else:  # a checkpoint's recompute in backward, or a unit called on its own
             unit.gather()
         events.emit("forward", unit=unit.name)
 
     def post_forward(self, unit: FlatUnit, output) -> None:
         events.emit("forward_done", unit=unit.name)
+        if self.mixed and torch.is_grad_enabled() and self.state is TrainingState.FORWARD:
+            self.count_accumulators(unit)
         if self.state is not TrainingState.BACKWARD:  # (in backward: a recompute, keep it)
             self._free_after_forward(unit)
         if torch.is_grad_enabled():
@@ -119,26 +179,34 @@ class FSDP(ZeRO2):
 
     def forward_done(self) -> None:
         """Catch up on the units nobody here ran; the backward walk starts from the top."""
-        for unit in self.forward_order[self._next :]:
-            self._enter("forward", unit)
+        for unit in self.order[TrainingState.FORWARD][self._next :]:
+            self._enter(TrainingState.FORWARD, unit)
             self._free_after_forward(unit)
         self._next = 0
+        if torch.is_grad_enabled():
+            self._window_forwards += 1
 
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
         """The gradient of the unit's output has arrived: its backward is next, gather it."""
         events.set_phase("backward")
-        self._walk_to("backward", unit, skipped=FlatUnit.free)
+        if self.held_backward:  # every unit is gathered already (a retained graph's second
+            unit.gather()        # backward: in autograd's order, the same on every rank)
+        else:
+            self._walk_to(TrainingState.BACKWARD, unit, skipped=FlatUnit.free)
         events.emit("backward", unit=unit.name)
 
     def post_backward(self, unit: FlatUnit) -> None:
-        super().post_backward(unit)  # reduce-scatter the gradients (async)
+        if not self.held_backward:  # (held: reduce when backward ends)
+            super().post_backward(unit)  # reduce-scatter the gradients (async)
         unit.free()
 
     def backward_done(self) -> None:
-        for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
-            self._enter("backward", unit)
-            unit.free()
+        if not self.held_backward:
+            for unit in self.order[TrainingState.BACKWARD][self._next :]:  # units nobody here ran
+                self._enter(TrainingState.BACKWARD, unit)
+                unit.free()
         self._next = 0
+        self._window_closed = True
         for unit in self.units:  # e.g. a prefetched unit that was not used after all
             unit.free()
