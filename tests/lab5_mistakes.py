@@ -1,6 +1,8 @@
 """Realistic wrong answers to lab 5, one small slip each (importable: the checks run them on
 spawned ranks), and correct alternatives that must pass."""
 
+import torch
+
 
 # -- forward_prefetch ---------------------------------------------------------------------------
 def forward_prefetch_everything_upfront(units, x):
@@ -59,6 +61,17 @@ def forward_prefetch_two_ahead(units, x):
             later.gather(async_op=True)
         x = unit.module(x)
         unit.free()
+    return x
+
+
+def forward_prefetch_under_no_grad(units, x):  # "only values are needed in forward"
+    with torch.no_grad():
+        for i, unit in enumerate(units):
+            unit.gather()
+            if i + 1 < len(units):
+                units[i + 1].gather(async_op=True)
+            x = unit.module(x)
+            unit.free()
     return x
 
 
@@ -121,6 +134,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "never frees": (FORWARD, forward_prefetch_never_frees, "not_freed", "still hold full weights at the end"),
     "prefetch after the compute": (FORWARD, forward_prefetch_after_compute, "no_overlap", "nothing overlaps"),
     "prefetch two ahead": (FORWARD, forward_prefetch_two_ahead, "too_many", "3 units held their full weights"),
+    "forward under no_grad": (FORWARD, forward_prefetch_under_no_grad, "no_graph", "no autograd graph"),
     "prefetches every remaining unit": (NEXT, prefetch_next_all_remaining, "too_many",
                                         "4 units held their full weights at once; at most 2"),
     "waits for the prefetch at once (stage 3)": (NEXT, prefetch_next_waits, "waited_at_once",

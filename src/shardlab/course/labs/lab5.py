@@ -61,6 +61,10 @@ def check_forward_prefetch(fn) -> str:
     if not lab_model.close(out.detach(), lab_model.make_model()(x).detach()):
         raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights",
                    mistake="wrong_values")
+    if not out.requires_grad or out.grad_fn is None:
+        raise Hint("your output has no autograd graph, so backward cannot run: did the loop run under "
+                   "torch.no_grad(), or detach the output? Training needs the graph",
+                   "return what the last unit.module(x) returned", mistake="no_graph")
     busy = [u.name for u in units if u.is_gathered]
     if busy:
         raise Hint(f"{', '.join(busy)} still hold full weights at the end: free each unit after its forward",
