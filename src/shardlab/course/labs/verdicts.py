@@ -88,6 +88,7 @@ def crashed(task_id: str, exc: Exception, limit: float, world_size: int | None =
     texts = list(getattr(exc, "failures", {}).values())
     if all("no answer within" in t for t in texts):
         return Result(task_id, "timed out", DEADLOCK.format(limit=limit), world_size=world_size)
+    texts.sort(key=lambda t: "process died" not in t)  # the rank that died first: the cause
     last = next((t.strip().splitlines()[-1] for t in texts if "no answer" not in t), str(exc))
     why = ": gloo aborts a rank when ranks call different collectives; did every rank call the " \
           "same collectives in the same order?" if "exit code -6" in last else ""
