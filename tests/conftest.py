@@ -14,9 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so spawned ranks can import tests/workers.py
 
-from support import SLOWDOWN, slowdown  # noqa: E402  (re-exported for `from conftest import`, one round)
-
-__all__ = ["SLOWDOWN", "slowdown"]
+from support import SLOWDOWN  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its setting

@@ -1,7 +1,9 @@
-"""Realistic wrong answers to lab 1 (importable: the checks run them on spawned ranks)."""
+"""Realistic wrong answers to lab 1, one small slip each (importable: the checks run them on
+spawned ranks), and correct alternatives that must pass."""
 
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce  # a name bound early: the checks must still see it
 
 from shardlab import comm
 
@@ -27,6 +29,23 @@ def split_reversed(flat, world_size):
     return list(_pad(flat, world_size).chunk(world_size))[::-1]
 
 
+def split_zeros_in_front(flat, world_size):
+    return list(torch.nn.functional.pad(flat, ((-flat.numel()) % world_size, 0)).chunk(world_size))
+
+
+def split_padding_from_empty(flat, world_size):
+    pad = torch.empty((-flat.numel()) % world_size).fill_(7.0)  # what torch.empty may hold
+    return list(torch.cat([flat, pad]).chunk(world_size))
+
+
+def split_always_pads_a_row(flat, world_size):  # world_size - numel % world_size: N zeros when it divides
+    return list(torch.nn.functional.pad(flat, (0, world_size - flat.numel() % world_size)).chunk(world_size))
+
+
+def split_padded_to_four(flat, world_size):
+    return list(_pad(flat, 4).chunk(world_size))
+
+
 # -- gather_full --------------------------------------------------------------------------------
 def gather_keeps_padding(shard, numel, world_size):
     full = torch.empty(world_size * shard.numel())
@@ -44,6 +63,32 @@ def gather_forgot_the_collective(shard, numel, world_size):
     return shard
 
 
+def gather_by_all_reduce(shard, numel, world_size):  # right values, twice the traffic
+    full = torch.zeros(world_size * shard.numel())
+    rank = dist.get_rank()
+    full[rank * shard.numel():(rank + 1) * shard.numel()] = shard
+    all_reduce(full)
+    return full[:numel]
+
+
+def gather_buffer_for_four(shard, numel, world_size):
+    full = torch.empty(4 * shard.numel())
+    comm.all_gather(full, shard)
+    return full[:numel]
+
+
+def gather_buffer_rounded_up(shard, numel, world_size):  # sized from numel, not from the shards
+    full = torch.empty(numel + 1)
+    comm.all_gather(full, shard)
+    return full[:numel]
+
+
+def gather_with_torch_list(shard, numel, world_size):  # correct: torch.distributed's list form
+    parts = [torch.empty_like(shard) for _ in range(world_size)]
+    dist.all_gather(parts, shard)
+    return torch.cat(parts)[:numel]
+
+
 # -- mean_grad_shard ----------------------------------------------------------------------------
 def mean_not_divided(grad, world_size):
     shard = torch.empty(grad.numel() // world_size)
@@ -58,20 +103,55 @@ def mean_divided_twice(grad, world_size):
 
 
 def mean_of_the_next_ranks_shard(grad, world_size):
+    shard = torch.empty(grad.numel() // world_size)
+    comm.reduce_scatter(shard, grad.roll(-shard.numel()))  # rolled: rank r gets shard r + 1
+    return shard / world_size
+
+
+def mean_by_all_reduce_and_slice(grad, world_size):  # right values, twice the traffic
     total = grad.clone()
-    comm.all_reduce(total)
-    return total.chunk(world_size)[(dist.get_rank() + 1) % world_size] / world_size
+    all_reduce(total)
+    return total.chunk(world_size)[dist.get_rank()] / world_size
 
 
-# -- all_reduce_mean ----------------------------------------------------------------------------
-def all_reduce_with_all_reduce(grad, world_size):
+def mean_own_gradient_only(grad, world_size):
+    return grad.chunk(world_size)[dist.get_rank()] / world_size
+
+
+def mean_divided_by_four(grad, world_size):
+    shard = torch.empty(grad.numel() // world_size)
+    comm.reduce_scatter(shard, grad)
+    return shard / 4
+
+
+def mean_shard_one_too_long(grad, world_size):  # rounded up "to be safe"
+    shard = torch.empty(grad.numel() // world_size + 1)
+    comm.reduce_scatter(shard, grad)
+    return shard[:-1] / world_size
+
+
+def mean_returns_the_full_buffer(grad, world_size):
     total = grad.clone()
     comm.all_reduce(total)
     return total / world_size
 
 
-def _rs_ag(grad, world_size, before, after):
-    padded = _pad(grad, world_size) / before
+# -- all_reduce_mean ----------------------------------------------------------------------------
+def all_reduce_with_comm_all_reduce(grad, world_size):
+    total = grad.clone()
+    comm.all_reduce(total)
+    return total / world_size
+
+
+def all_reduce_with_an_aliased_import(grad, world_size):
+    total = grad.clone()
+    all_reduce(total)
+    return total / world_size
+
+
+def _rs_ag(grad, world_size, before, after, front=False):
+    pad = (-grad.numel()) % world_size
+    padded = torch.nn.functional.pad(grad, (pad, 0) if front else (0, pad)) / before
     shard = torch.empty(padded.numel() // world_size)
     comm.reduce_scatter(shard, padded)
     full = torch.empty_like(padded)
@@ -89,3 +169,60 @@ def all_reduce_divided_twice(grad, world_size):
 
 def all_reduce_keeps_padding(grad, world_size):
     return _rs_ag(grad, world_size, 1, world_size)
+
+
+def all_reduce_zeros_in_front(grad, world_size):
+    return _rs_ag(grad, world_size, 1, world_size, front=True)[:grad.numel()]
+
+
+def all_reduce_divided_by_four(grad, world_size):
+    return _rs_ag(grad, world_size, 1, 4)[:grad.numel()]
+
+
+def all_reduce_with_torch_directly(grad, world_size):  # correct: torch.distributed, no comm
+    padded = _pad(grad, world_size)
+    shard = torch.empty(padded.numel() // world_size)
+    dist.reduce_scatter_tensor(shard, padded)
+    full = torch.empty_like(padded)
+    dist.all_gather_into_tensor(full, shard / world_size)
+    return full[:grad.numel()]
+
+
+PAD, GATHER, MEAN, ALL = "lab1.pad_and_split", "lab1.gather_full", "lab1.mean_grad_shard", "lab1.all_reduce_mean"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "chunk without padding": (PAD, split_without_padding_chunk, "not_padded", "pad with zeros"),
+    "tensor_split without padding": (PAD, split_without_padding_tensor_split, "not_padded", "pad with zeros"),
+    "interleaved shards": (PAD, split_interleaved, "wrong_order", "right numbers in the wrong order"),
+    "shards in reverse": (PAD, split_reversed, "wrong_order", "right numbers in the wrong order"),
+    "zeros in front": (PAD, split_zeros_in_front, "padded_at_front", "zeros went in front"),
+    "padding from torch.empty": (PAD, split_padding_from_empty, "padding_not_zeros", "must be zeros"),
+    "a row of padding when it divides": (PAD, split_always_pads_a_row, "too_much_padding", "not when it already divides"),
+    "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
+    "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
+    "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
+    "gather forgets the collective": (GATHER, gather_forgot_the_collective, "no_all_gather", "you returned one shard"),
+    "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes", "do not fit"),
+    "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
+    "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "mean divided twice": (MEAN, mean_divided_twice, "divided_twice", "too small: did you divide twice?"),
+    "mean of the next rank's shard": (MEAN, mean_of_the_next_ranks_shard, "wrong_shard", "another rank's shard"),
+    "mean by all-reduce and slice": (MEAN, mean_by_all_reduce_and_slice, "all_reduce_instead", "you all-reduced"),
+    "mean of its own gradient": (MEAN, mean_own_gradient_only, "no_reduce", "only this rank's own gradient"),
+    "mean shard buffer one too long": (MEAN, mean_shard_one_too_long, "collective_sizes", "do not fit"),
+    "mean returns the full buffer": (MEAN, mean_returns_the_full_buffer, "full_size", "full-size gradient"),
+    "all-reduce via comm.all_reduce": (ALL, all_reduce_with_comm_all_reduce, "all_reduce_instead", "you called all-reduce"),
+    "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),
+    "all-reduce not divided": (ALL, all_reduce_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "all-reduce divided twice": (ALL, all_reduce_divided_twice, "divided_twice", "too small: did you divide twice?"),
+    "all-reduce keeps the padding": (ALL, all_reduce_keeps_padding, "kept_padding", "drop the padding"),
+    "all-reduce pads in front": (ALL, all_reduce_zeros_in_front, "padded_at_front", "zeros went in front"),
+}
+ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3
+    "gather buffer sized for 4": (GATHER, gather_buffer_for_four, "hard_coded_world_size", "not a fixed 4"),
+    "mean divided by 4": (MEAN, mean_divided_by_four, "hard_coded_world_size", "you divided by 4, not by world_size"),
+    "all-reduce divided by 4": (ALL, all_reduce_divided_by_four, "hard_coded_world_size", "you divided by 4"),
+}
+CORRECT = {
+    "gather with torch.distributed's list all_gather": (GATHER, gather_with_torch_list),
+    "all-reduce from torch.distributed directly": (ALL, all_reduce_with_torch_directly),
+}

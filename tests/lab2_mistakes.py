@@ -1,6 +1,9 @@
-"""Realistic wrong answers to lab 2 (importable: the checks run them on spawned ranks)."""
+"""Realistic wrong answers to lab 2, one small slip each (importable: the checks run them on
+spawned ranks), and correct alternatives that must pass."""
 
 import torch
+import torch.distributed as dist
+from torch.distributed import all_reduce
 
 from shardlab import comm
 
@@ -28,6 +31,29 @@ def shards_in_reverse(flat, rank, world_size, make_optimizer):
     return master, make_optimizer([master])
 
 
+def master_sliced_from_a_full_copy(flat, rank, world_size, make_optimizer):  # clone, then slice
+    s = flat.numel() // world_size
+    master = torch.nn.Parameter(flat.clone()[rank * s:(rank + 1) * s])
+    return master, make_optimizer([master])
+
+
+def master_is_a_view_of_flat(flat, rank, world_size, make_optimizer):  # no clone
+    s = flat.numel() // world_size
+    master = torch.nn.Parameter(flat[rank * s:(rank + 1) * s])
+    return master, make_optimizer([master])
+
+
+def shard_size_for_four(flat, rank, world_size, make_optimizer):
+    s = flat.numel() // 4
+    master = torch.nn.Parameter(flat[rank * s:(rank + 1) * s].clone())
+    return master, make_optimizer([master])
+
+
+def shard_optimizer_with_chunk(flat, rank, world_size, make_optimizer):  # correct: chunk, then clone
+    master = torch.nn.Parameter(flat.chunk(world_size)[rank].clone())
+    return master, make_optimizer([master])
+
+
 # -- zero1_step ---------------------------------------------------------------------------------
 def _mean_shard(grad, master, world_size):
     shard = torch.empty_like(master)
@@ -43,13 +69,20 @@ def step_forgets_the_all_gather(flat, grad, master, optimizer, world_size):
 def step_copies_only_its_own_shard(flat, grad, master, optimizer, world_size):
     master.grad = _mean_shard(grad, master, world_size)
     optimizer.step()
-    rank = torch.distributed.get_rank()
+    rank = dist.get_rank()
     flat[rank * master.numel():(rank + 1) * master.numel()] = master.detach()
 
 
 def step_not_divided(flat, grad, master, optimizer, world_size):
     master.grad = _mean_shard(grad, master, world_size) * world_size
     optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
+def step_not_divided_then_zero_grad(flat, grad, master, optimizer, world_size):  # Adam would not notice
+    master.grad = _mean_shard(grad, master, world_size) * world_size
+    optimizer.step()
+    optimizer.zero_grad()
     comm.all_gather(flat, master.detach())
 
 
@@ -60,7 +93,66 @@ def step_divided_twice(flat, grad, master, optimizer, world_size):
 
 
 def step_with_its_own_gradient(flat, grad, master, optimizer, world_size):
-    rank = torch.distributed.get_rank()
-    master.grad = grad.chunk(world_size)[rank].clone()
+    master.grad = grad.chunk(world_size)[dist.get_rank()].clone()
     optimizer.step()
     comm.all_gather(flat, master.detach())
+
+
+def step_zero_grad_before_step(flat, grad, master, optimizer, world_size):
+    master.grad = _mean_shard(grad, master, world_size)
+    optimizer.zero_grad()
+    optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
+def step_all_reduce_and_slice(flat, grad, master, optimizer, world_size):  # right weights, 2x traffic
+    total = grad.clone()
+    all_reduce(total)
+    master.grad = total.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
+def step_divided_by_four(flat, grad, master, optimizer, world_size):
+    shard = torch.empty_like(master)
+    comm.reduce_scatter(shard, grad)
+    master.grad = shard / 4
+    optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
+def step_with_torch_directly(flat, grad, master, optimizer, world_size):  # correct: torch.distributed
+    shard = torch.empty_like(master)
+    dist.reduce_scatter_tensor(shard, grad)
+    optimizer.zero_grad()
+    master.grad = shard / world_size
+    optimizer.step()
+    dist.all_gather_into_tensor(flat, master.detach())
+
+
+SHARD, STEP = "lab2.shard_optimizer", "lab2.zero1_step"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "optimizer over the full buffer": (SHARD, optimizer_over_the_full_buffer, "full_optimizer", "so ZeRO-1 saves nothing"),
+    "shard master, full optimizer": (SHARD, shard_master_but_full_optimizer, "full_optimizer", "so ZeRO-1 saves nothing"),
+    "shard at element offset rank": (SHARD, shard_at_element_offset, "wrong_shard", "steps the wrong shard"),
+    "shards in reverse": (SHARD, shards_in_reverse, "wrong_shard", "steps the wrong shard"),
+    "master sliced from a full copy": (SHARD, master_sliced_from_a_full_copy, "master_keeps_full_copy",
+                                       "stays alive as long as the master does"),
+    "master is a view of flat": (SHARD, master_is_a_view_of_flat, "master_is_a_view", "a view into flat"),
+    "step forgets the all-gather": (STEP, step_forgets_the_all_gather, "no_all_gather", "did not change"),
+    "step copies only its own shard": (STEP, step_copies_only_its_own_shard, "drift", "drift apart"),
+    "step not divided": (STEP, step_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "step not divided, then zero_grad": (STEP, step_not_divided_then_zero_grad, "not_divided", "too large"),
+    "step divided twice": (STEP, step_divided_twice, "divided_twice", "too small: did you divide twice?"),
+    "step with its own gradient": (STEP, step_with_its_own_gradient, "no_reduce", "not the mean over ranks"),
+    "zero_grad before step": (STEP, step_zero_grad_before_step, "no_grad_at_step", "master.grad was None or zero"),
+    "step all-reduces and slices": (STEP, step_all_reduce_and_slice, "all_reduce_instead", "all-reduced"),
+}
+ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3
+    "shard sized for 4 ranks": (SHARD, shard_size_for_four, "hard_coded_world_size", "not 4"),
+    "step divided by 4": (STEP, step_divided_by_four, "hard_coded_world_size", "you divided by 4"),
+}
+CORRECT = {
+    "shard by chunk": (SHARD, shard_optimizer_with_chunk),
+    "step through torch.distributed directly": (STEP, step_with_torch_directly),
+}

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import slowdown
 
-from conftest import slowdown
 from shardlab import launch
 from shardlab.cluster.core import Cluster, _pick_backend
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.course import gpu_results
 from shardlab.instruments.link import fit_link, link_delay
 

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import SLOWDOWN
+from support import SLOWDOWN, slowdown
 
-from shardlab.course.labs import checking
+from shardlab.course.labs import tasks
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.generate import BEGIN, STUB, dumps, strip_solution, student_notebook
 
@@ -49,7 +49,7 @@ def test_every_lab_with_a_solution_has_its_checks_and_a_check_cell_per_task():
     for solution in SOLUTIONS:
         lab = solution.stem.split("_")[0]
         text = solution.read_text()
-        for t in checking.lab_tasks(lab):
+        for t in tasks.lab_tasks(lab):
             assert f'check(\\"{t.id}\\", {t.fn_name})' in text, f"{solution.name}: no check cell for {t.id}"
 
 
@@ -80,7 +80,7 @@ def test_a_notebook_submission_keeps_its_definitions_not_its_cluster(tmp_path):
 
 def _cli(*args, timeout):
     return subprocess.run([sys.executable, "-m", "shardlab.course.labs", *args], capture_output=True,
-                          text=True, timeout=timeout * SLOWDOWN, cwd=ROOT,
+                          text=True, timeout=slowdown(timeout), cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 
 
@@ -174,7 +174,7 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
     try:
         assert check("lab1.gather_full", ns["stub"]) is False
         assert "not implemented yet: write gather_full above" in capsys.readouterr().out
-        assert check("lab1.gather_full", ns["deadlocks"], timeout=5 * SLOWDOWN) is False
+        assert check("lab1.gather_full", ns["deadlocks"], timeout=slowdown(5)) is False
         out = capsys.readouterr().out
         assert "✗ lab1.gather_full: timed out after" in out, out
         assert "did every rank call the same collectives in the same order?" in out, out

@@ -1,57 +1,58 @@
-"""Lab 2's checks reject the classic ZeRO-1 mistakes with the matching hint, and accept the solution.
-
-All cases run in one set of 4 fresh ranks (``labs_support.verdicts``; it keeps going after a
-wrong answer).
-"""
+"""Lab 2 (ZeRO-1): on 4 and on 3 ranks, the checks pass the solution and the correct
+alternatives, say "not implemented" to the stubs, and give each wrong solution the hint that
+names its mistake."""
 
 from __future__ import annotations
 
 import re
 
-import lab2_mistakes as wrong
+import lab2_mistakes as lab
 import pytest
-from labs_support import script_folder
-from labs_support import verdicts as lab_verdicts
+from labs_support import assert_mistake, verdicts
 
-from shardlab.course.labs.checking import lab_tasks
+from shardlab.course.labs.tasks import WORLD_SIZES, lab_tasks
 
-MISTAKES = [  # (task, wrong answer, the words its hint must contain)
-    ("shard_optimizer", wrong.optimizer_over_the_full_buffer, "so ZeRO-1 saves nothing"),
-    ("shard_optimizer", wrong.shard_master_but_full_optimizer, "so ZeRO-1 saves nothing"),
-    ("shard_optimizer", wrong.shard_at_element_offset, "steps the wrong shard"),
-    ("shard_optimizer", wrong.shards_in_reverse, "steps the wrong shard"),
-    ("zero1_step", wrong.step_forgets_the_all_gather, "all-gather every rank's updated shard"),
-    ("zero1_step", wrong.step_copies_only_its_own_shard, "your ranks' weights drift apart"),
-    ("zero1_step", wrong.step_not_divided, "4x too large: did you divide the SUM by the world size?"),
-    ("zero1_step", wrong.step_divided_twice, "4x too small: did you divide twice?"),
-    ("zero1_step", wrong.step_with_its_own_gradient, "not the mean over ranks"),
-]
+TASKS = [t.id for t in lab_tasks("lab2")]
 
 
 @pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    """Every mistake, and each task of the solution and student notebooks, judged on one set of ranks."""
-    wrong = {fn.__name__: (f"lab2.{task}", fn) for task, fn, _ in MISTAKES}
-    return lab_verdicts("lab2", "lab2_zero1.ipynb", wrong, script_folder(tmp_path_factory))
+def results(tmp_path_factory):
+    return verdicts("lab2", "lab2_zero1.ipynb", {**lab.WRONG, **lab.ON_THREE}, lab.CORRECT,
+                    tmp_path_factory.mktemp("lab2"))
 
 
-@pytest.mark.parametrize("i", range(len(MISTAKES)), ids=[m[1].__name__ for m in MISTAKES])
-def test_a_classic_mistake_gets_its_hint(verdicts, i):
-    task, fn, words = MISTAKES[i]
-    result = verdicts[fn.__name__]
-    assert result.task == f"lab2.{task}"
-    assert result.status == "fail", result.line()
-    assert words in result.message, result.line()
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("task", TASKS)
+def test_solution_passes_and_stub_is_not_implemented(results, task, ws):
+    assert results[f"solution {task}", ws].status == "pass", results[f"solution {task}", ws].line()
+    assert results[f"stub {task}", ws].status == "not implemented", results[f"stub {task}", ws].line()
 
 
-def test_the_full_buffer_optimizer_is_caught_by_measured_bytes(verdicts):
-    got, full = map(int, re.search(r"(\d+) B of Adam moments.*\((\d+) B\)", verdicts[MISTAKES[0][1].__name__].message).groups())
-    assert got == full > 0  # measured on the rank: the whole buffer's moments, no saving
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("case", lab.CORRECT)
+def test_correct_alternative_passes(results, case, ws):
+    assert results[case, ws].status == "pass", results[case, ws].line()
 
 
-def test_the_solution_passes_with_one_nth_of_the_optimizer_state(verdicts):
-    solved = [verdicts[f"solution {t.id}"] for t in lab_tasks("lab2")]
-    assert [r.task for r in solved] == [t.id for t in lab_tasks("lab2")]
-    assert all(r.passed for r in solved), "\n".join(r.line() for r in solved)
-    per_rank, stage0 = map(int, re.search(r"(\d+) B per rank = 1/4 of stage 0's (\d+) B", solved[0].message).groups())
-    assert per_rank * 4 == stage0
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("case", lab.WRONG)
+def test_mistake_gets_its_hint(results, case, ws):
+    assert_mistake(results, lab.WRONG, case, ws)
+
+
+@pytest.mark.parametrize("case", lab.ON_THREE)
+def test_hard_coded_four_passes_on_4_ranks_and_gets_its_hint_on_3(results, case):
+    assert results[case, 4].status == "pass", results[case, 4].line()
+    assert_mistake(results, lab.ON_THREE, case, 3)
+
+
+def test_every_task_has_four_wrong_solutions():
+    for task in TASKS:
+        assert sum(t == task for t, *_ in {**lab.WRONG, **lab.ON_THREE}.values()) >= 4, task
+
+
+def test_the_solution_shards_the_optimizer_state_by_n(results):
+    for ws in WORLD_SIZES:
+        message = results["solution lab2.shard_optimizer", ws].message
+        per_rank, stage0 = map(int, re.search(rf"(\d+) B per rank = 1/{ws} of stage 0's (\d+) B", message).groups())
+        assert per_rank * ws == stage0 > 0, message

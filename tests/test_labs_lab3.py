@@ -1,132 +1,57 @@
-"""Lab 3 (ZeRO-2): the checks pass the solution, say "not implemented" to the stubs, and reject
-the classic mistakes with the hint that names them."""
+"""Lab 3 (ZeRO-2): on 4 and on 3 ranks, the checks pass the solution and the correct
+alternatives, say "not implemented" to the stubs, and give each wrong solution the hint that
+names its mistake."""
 
 from __future__ import annotations
 
 import re
 
+import lab3_mistakes as lab
 import pytest
-import torch
-import torch.distributed as dist
-from labs_support import script_folder, verdicts
+from labs_support import assert_mistake, verdicts
 
-from shardlab.engine import comm
+from shardlab.course.labs.tasks import WORLD_SIZES, lab_tasks
 
-
-def reduce_unit_with_torch_distributed(unit):
-    """Right, calling torch.distributed directly (the labs allow it)."""
-    full = unit.pack_grads(torch.float32)
-    unit.set_param_grads(None)
-    shard = torch.empty(unit.shard_numel)
-    dist.reduce_scatter_tensor(shard, full)
-    return shard / unit.world_size
-
-
-# -- reduce_unit, wrong ------------------------------------------------------------------------
-
-
-def reduce_unit_sum_not_divided(unit):
-    full = unit.pack_grads(torch.float32)
-    unit.set_param_grads(None)
-    shard = torch.empty(unit.shard_numel)
-    comm.reduce_scatter(shard, full)
-    return shard
-
-
-def reduce_unit_keeps_full_grads(unit):
-    full = unit.pack_grads(torch.float32)  # p.grad is never dropped
-    shard = torch.empty(unit.shard_numel)
-    comm.reduce_scatter(shard, full)
-    return shard / unit.world_size
-
-
-def reduce_unit_slice_of_all_reduce(unit):
-    full = unit.pack_grads(torch.float32)
-    unit.set_param_grads(None)
-    comm.all_reduce(full)
-    full /= unit.world_size
-    return unit.my_shard(full)  # right values, but a view: the whole buffer stays alive
-
-
-def reduce_unit_rank0_shard(unit):
-    full = unit.pack_grads(torch.float32)
-    unit.set_param_grads(None)
-    comm.all_reduce(full)
-    return full[: unit.shard_numel] / unit.world_size  # every rank takes the first shard
-
-
-# -- when_ready, wrong -------------------------------------------------------------------------
-
-
-def when_ready_hooks_last_param(params, on_ready):
-    # "the last parameter is done last": backward fills the last layer first
-    params[-1].register_post_accumulate_grad_hook(lambda p: on_ready())
-
-
-def when_ready_set_never_cleared(params, on_ready):
-    seen = set()
-
-    def hook(p):
-        seen.add(p)
-        if len(seen) == len(params):  # true again at every hook of the next backward
-            on_ready()
-
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
-
-
-def when_ready_not_rearmed(params, on_ready):
-    left = [len(params)]
-
-    def hook(p):
-        left[0] -= 1
-        if left[0] == 0:
-            on_ready()
-
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
-
-
-WRONG = {
-    "SUM not divided": ("lab3.reduce_unit", reduce_unit_sum_not_divided, "4x too large"),
-    "full gradient kept alive": ("lab3.reduce_unit", reduce_unit_keeps_full_grads, "full gradient is still alive"),
-    "shard is a view of the all-reduced buffer": ("lab3.reduce_unit", reduce_unit_slice_of_all_reduce,
-                                                  "view into a 20352-element buffer"),
-    "every rank keeps rank 0's shard": ("lab3.reduce_unit", reduce_unit_rank0_shard, "holds rank 0's shard"),
-    "reduced before all gradients are in": ("lab3.when_ready", when_ready_hooks_last_param,
-                                            "when only 1 of its 6 gradients were in"),
-    "double reduction on a second backward": ("lab3.when_ready", when_ready_set_never_cleared,
-                                              "in the second backward: each call reduces again (double reduction)"),
-    "countdown not re-armed": ("lab3.when_ready", when_ready_not_rearmed,
-                               "never ran for blocks.0 in the second backward"),
-}
+TASKS = [t.id for t in lab_tasks("lab3")]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    wrong = {case: (task, fn) for case, (task, fn, _) in WRONG.items()}
-    wrong["torch.distributed directly"] = ("lab3.reduce_unit", reduce_unit_with_torch_distributed)
-    return verdicts("lab3", "lab3_zero2.ipynb", wrong, script_folder(tmp_path_factory))
+    return verdicts("lab3", "lab3_zero2.ipynb", {**lab.WRONG, **lab.ON_THREE}, lab.CORRECT,
+                    tmp_path_factory.mktemp("lab3"))
 
 
-def test_torch_distributed_directly_passes(results):
-    assert results["torch.distributed directly"].status == "pass", results["torch.distributed directly"].line()
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("task", TASKS)
+def test_solution_passes_and_stub_is_not_implemented(results, task, ws):
+    assert results[f"solution {task}", ws].status == "pass", results[f"solution {task}", ws].line()
+    assert results[f"stub {task}", ws].status == "not implemented", results[f"stub {task}", ws].line()
 
 
-@pytest.mark.parametrize("task", ["lab3.reduce_unit", "lab3.when_ready"])
-def test_solution_passes_and_stub_is_not_implemented(results, task):
-    assert results[f"solution {task}"].status == "pass", results[f"solution {task}"].line()
-    assert results[f"stub {task}"].status == "not implemented", results[f"stub {task}"].line()
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("case", lab.CORRECT)
+def test_correct_alternative_passes(results, case, ws):
+    assert results[case, ws].status == "pass", results[case, ws].line()
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("case", lab.WRONG)
+def test_mistake_gets_its_hint(results, case, ws):
+    assert_mistake(results, lab.WRONG, case, ws)
+
+
+@pytest.mark.parametrize("case", lab.ON_THREE)
+def test_hard_coded_four_passes_on_4_ranks_and_gets_its_hint_on_3(results, case):
+    assert results[case, 4].status == "pass", results[case, 4].line()
+    assert_mistake(results, lab.ON_THREE, case, 3)
+
+
+def test_every_task_has_four_wrong_solutions():
+    for task in TASKS:
+        assert sum(t == task for t, *_ in {**lab.WRONG, **lab.ON_THREE}.values()) >= 4, task
 
 
 def test_solution_measures_a_lower_gradient_peak(results):
-    message = results["solution lab3.when_ready"].message
+    message = results["solution lab3.when_ready", 4].message
     peak, every = re.search(r"peaked at ([\d,]+) bytes vs ([\d,]+)", message).groups()
     assert int(peak.replace(",", "")) < int(every.replace(",", "")), message
-
-
-@pytest.mark.parametrize("case", WRONG)
-def test_mistake_rejected_with_its_hint(results, case):
-    result, hint = results[case], WRONG[case][2]
-    assert result.status == "fail", result.line()
-    assert hint in result.message, result.line()

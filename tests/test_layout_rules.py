@@ -34,7 +34,6 @@ PARTS = sorted(p.parent.name for p in PKG.glob("*/README.md"))
 # still calls a collective directly; once it does not, the test below fails until the entry is
 # removed, so this list can only shrink. Remove the list once those branches are merged.
 ONE_DOOR_PENDING = {
-    "shardlab/course/labs/pieces.py": "reference_grad_shards' dist.all_reduce; owned by the labs work",
 }
 
 # A collective is a torch.distributed function (in any of its submodules) whose name starts

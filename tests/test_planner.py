@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.instruments import memory_math as mm
 from shardlab.instruments import planner as P
 from shardlab.instruments import planner_presets as pp

@@ -12,8 +12,8 @@ is the best of 9 interleaved rounds (load only adds time).
 """
 
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.bench import planner_calibrate as C
 
 

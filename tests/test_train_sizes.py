@@ -18,8 +18,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab import models, train
 from shardlab.instruments import memory_math
 

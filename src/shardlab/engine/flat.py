@@ -22,7 +22,6 @@ whether any rank used a parameter: ``missing_grads.py`` explains the convention.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -63,6 +62,11 @@ class Reduction:
     grad: torch.Tensor
 
 
+def padded_numel(numel: int, world_size: int) -> int:
+    """The smallest multiple of ``world_size`` that holds ``numel`` elements: the padding is < world_size."""
+    return -(-numel // world_size) * world_size
+
+
 class FlatUnit:
     """One unit: its trainable parameters flattened into ``full``, padded, split into shards."""
 
@@ -75,7 +79,7 @@ class FlatUnit:
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)  # real elements
         self._offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
-        self.padded_numel = math.ceil(self.numel / world_size) * world_size
+        self.padded_numel = padded_numel(self.numel, world_size)
         self.shard_numel = self.padded_numel // world_size
         self.master_dtype = params[0].dtype
         self.full = torch.zeros(self.padded_numel, dtype=self.master_dtype, device=params[0].device)

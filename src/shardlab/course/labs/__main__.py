@@ -7,7 +7,8 @@
     python -m shardlab.course.labs generate                  # labs/solutions/*.ipynb -> labs/*.ipynb
 
 ``check`` imports the task functions (named as in the lab) from the file and runs the lab's
-checks on fresh local ranks. A notebook submission is read for its imports and definitions only
+checks on fresh local ranks, on 4 ranks and then on 3 (padding; code that hard-codes 4 ranks
+fails there). A notebook submission is read for its imports and definitions only
 (cells that start ranks or call ``check`` are skipped). ``grade`` runs each submission in its
 own process group with a time limit, so one that hangs, crashes or deadlocks gets "timed out"
 rows and the others are graded anyway.
@@ -27,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardlab.course.labs.checking import Result, lab_tasks, run_on_fresh_ranks
 from shardlab.course.labs.generate import generate
+from shardlab.course.labs.runners import run_on_fresh_ranks
+from shardlab.course.labs.tasks import WORLD_SIZES, lab_tasks
+from shardlab.course.labs.verdicts import Result
 
 #: Seconds a submission may spend starting ranks and importing torch, on top of its tasks' limits.
 STARTUP = 90.0
@@ -83,7 +86,7 @@ def _grade(args) -> int:
     tasks = lab_tasks(args.lab)
     folder = Path(args.dir)
     files = sorted(p for p in folder.iterdir() if p.suffix in (".py", ".ipynb"))
-    limit = (STARTUP + 1.5 * sum(args.timeout or t.timeout for t in tasks)) * args.scale
+    limit = len(WORLD_SIZES) * (STARTUP + 1.5 * sum(args.timeout or t.timeout for t in tasks)) * args.scale
     rows = []
     for path in files:
         t0 = time.monotonic()

@@ -7,22 +7,24 @@ The learner's four functions, each given what it needs as arguments::
     mean_grad_shard(grad, world_size)        -> this rank's shard of the mean gradient
     all_reduce_mean(grad, world_size)        -> the full mean gradient, from reduce-scatter + all-gather
 
-Each check runs on every rank; collectives first, then the verdict (see checking.py).
+Each check runs on every rank and calls only its own task's function; the collectives the
+learner's code runs are watched (``watch.Collectives``) wherever the task names them.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs.checking import Hint, task
-from shardlab.engine import events
+from shardlab.course.labs.scale import judge_scale
+from shardlab.course.labs.tasks import Hint, task
+from shardlab.course.labs.watch import Collectives, traffic
+from shardlab.engine.flat import padded_numel
 
 
 def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:
-    """The reference: ``flat`` with zeros appended up to a multiple of ``n``."""
+    """The reference: ``flat`` with zeros appended up to a multiple of ``n``. Written out here on
+    purpose, with torch's own pad, so that the check does not share the code it verifies."""
     return torch.nn.functional.pad(flat, (0, (-flat.numel()) % n))
 
 
@@ -39,7 +41,7 @@ def _show(t: torch.Tensor, most: int = 8) -> str:
 def _expect_tensor(value, what: str) -> torch.Tensor:
     if not torch.is_tensor(value):
         raise Hint(f"{what} should be a tensor, but your function returned {type(value).__name__}: "
-                   "did you forget the return statement?")
+                   "did you forget the return statement?", mistake="not_a_tensor")
     return value
 
 
@@ -47,31 +49,39 @@ def _permuted_blocks(got: torch.Tensor, want: torch.Tensor, n: int) -> bool:
     """``got`` holds ``want``'s n blocks, but in another order (or interleaved)."""
     if got.numel() != want.numel() or _same(got, want):
         return False
-    blocks = {tuple(b.tolist()) for b in want.reshape(n, -1)}
-    in_blocks = {tuple(b.tolist()) for b in got.reshape(n, -1)}
-    same_values = torch.equal(got.reshape(-1).sort().values, want.reshape(-1).sort().values)
-    return in_blocks == blocks or same_values
+    return torch.equal(got.reshape(-1).sort().values, want.reshape(-1).sort().values)
+
+
+def _front_padded(got: torch.Tensor, flat: torch.Tensor) -> bool:
+    """The zeros went first: ``got`` is ``flat`` with its padding in front."""
+    pad = got.numel() - flat.numel()
+    return pad > 0 and torch.equal(got[pad:], flat) and not got[:pad].any()
 
 
 ORDER = ("rank r's shard must be the contiguous slice [r*S, (r+1)*S) of the padded tensor, "
          "in rank order: shards[r] for rank r")
-TOO_LARGE = "{what} is {n}x too large: did you divide the SUM by the world size?"
-TOO_SMALL = "{what} is {n}x too small: did you divide twice?"
-SCALE_STRONGER = ("comm.reduce_scatter sums over ranks and does not divide: divide its result "
-                  "once, by world_size (and nothing before it)")
+FRONT = "your zeros went in front of the numbers: pad at the end, so that element i stays at index i"
+ONE_SHARD_EACH = "rank r keeps the r-th contiguous shard: look at how you index or order the pieces"
 
 
-def _judge_scale(got: torch.Tensor, want: torch.Tensor, n: int, what: str) -> None:
-    if _same(got, want * n):
-        raise Hint(TOO_LARGE.format(what=what, n=n), SCALE_STRONGER)
-    if _same(got, want / n):
-        raise Hint(TOO_SMALL.format(what=what, n=n), SCALE_STRONGER)
+def _collectives(seen: Collectives, want: list[str], numel: int, n: int, task_words: str) -> None:
+    """The task's text names its collectives: insist on them (an all-reduce sends twice the bytes)."""
+    kinds = seen.kinds()
+    if "all_reduce" in kinds:
+        raise Hint(f"the values are right, but you all-reduced: {task_words}. An all-reduce sends "
+                   f"{seen.sent():,} B per rank here, the lab's collectives {traffic(numel, 4, n, want):,} B",
+                   "replace the all-reduce (and the slice after it) by the collective the task names",
+                   mistake="all_reduce_instead")
+    if sorted(kinds) != sorted(want) or any(c.numel != numel for c in seen.log):
+        got = ", ".join(f"{c.kind} of {c.numel}" for c in seen.log) or "none"
+        raise Hint(f"the values are right, but your collectives were: {got}; {task_words} "
+                   f"({', '.join(f'{k} of {numel}' for k in want)} elements)", mistake="collectives")
 
 
 @task("lab1.pad_and_split", fn_name="pad_and_split")
 def check_pad_and_split(fn) -> str:
     """Local: any N, 3 included, on sizes that do and do not divide evenly."""
-    cases = [(10, 4), (10, 3), (12, 4), (7, 5), (10, 1), (1, 3)]
+    cases = [(10, 4), (10, 3), (12, 4), (12, 3), (7, 5), (10, 1), (1, 3)]
     for numel, n in cases:
         flat = torch.arange(1.0, numel + 1)  # no zeros inside, so padding stands out
         want = _padded(flat, n).reshape(n, -1)
@@ -80,35 +90,45 @@ def check_pad_and_split(fn) -> str:
         except RuntimeError as exc:
             if numel % n and any(s in str(exc) for s in ("invalid for input of size", "divisible")):
                 raise Hint(f"{numel} elements do not split into {n} equal shards: pad with zeros "
-                           f"first, up to a multiple of {n}",
-                           "pad = (-flat.numel()) % world_size; then torch.nn.functional.pad(flat, "
-                           "(0, pad)).chunk(world_size)") from None
+                           f"first, up to a multiple of {n}", "how many zeros make the length a multiple "
+                           "of world_size? Append them before you split", mistake="not_padded") from None
             raise
         if torch.is_tensor(shards) and shards.dim() == 2:
             shards = list(shards)
         if not isinstance(shards, (list, tuple)) or not all(torch.is_tensor(s) for s in shards):
             raise Hint(f"pad_and_split should return a list of {n} tensors, got "
-                       f"{type(shards).__name__}: did you forget the return statement?")
+                       f"{type(shards).__name__}: did you forget the return statement?", mistake="not_a_list")
         sizes = [s.numel() for s in shards]
+        if n != 4 and numel % n and sizes == [c.numel() for c in _padded(flat, 4).chunk(n)] != \
+                [c.numel() for c in want]:
+            raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}: you padded to a multiple "
+                       f"of 4, not of world_size = {n}", "the padding depends on the world_size argument, "
+                       "never a fixed 4", mistake="hard_coded_world_size")
         if len(shards) != n or len(set(sizes)) > 1:
             if numel % n:
                 raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}, not {n} "
                            f"equal shards: pad with zeros up to a multiple of {n} first",
-                           "pad = (-flat.numel()) % world_size zeros at the end, then .chunk(world_size)")
-            raise Hint(f"expected {n} shards of {numel // n} elements, got sizes {sizes}")
+                           "(-numel) % world_size zeros, appended at the end, before you split",
+                           mistake="not_padded")
+            raise Hint(f"expected {n} shards of {numel // n} elements, got sizes {sizes}", mistake="shard_sizes")
         got = torch.stack([s.reshape(-1) for s in shards])
         if got.shape != want.shape:
-            raise Hint(f"expected {n} shards of {want.shape[1]} elements, got {got.shape[1]} each: "
-                       f"pad to the next multiple of {n}, not more")
+            raise Hint(f"{numel} elements on {n} ranks: expected {n} shards of {want.shape[1]} elements, "
+                       f"got {got.shape[1]} each: pad to the next multiple of {n}, and not when it "
+                       "already divides", "(-numel) % world_size is 0 when it divides", mistake="too_much_padding")
+        if _front_padded(got.reshape(-1), flat):
+            raise Hint(FRONT, "torch.nn.functional.pad(flat, (left, right)): which side did you pad?",
+                       mistake="padded_at_front")
         if torch.equal(got.reshape(-1)[:numel], flat) and not torch.equal(got, want):
             raise Hint("the padding must be zeros (torch.empty leaves whatever was in memory)",
-                       "torch.nn.functional.pad(flat, (0, pad)) appends zeros")
+                       "allocate the padding with torch.zeros, or use torch.nn.functional.pad",
+                       mistake="padding_not_zeros")
         if _permuted_blocks(got, want, n):
-            raise Hint(f"your shards hold the right numbers in the wrong order: {ORDER}",
-                       "pad, then .chunk(world_size): chunk r is rank r's shard")
+            raise Hint(f"your shards hold the right numbers in the wrong order: {ORDER}", ONE_SHARD_EACH,
+                       mistake="wrong_order")
         if not torch.equal(got, want):
             raise Hint(f"for {numel} elements on {n} ranks, shard 0 is {_show(got[0])}, "
-                       f"expected {_show(want[0])}")
+                       f"expected {_show(want[0])}", mistake="wrong_values")
     return "equal, zero-padded shards in rank order: 10, 12, 7 and 1 elements split over N = 1, 3, 4 and 5"
 
 
@@ -117,24 +137,27 @@ def check_gather_full(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = 4 * n - 2 if n > 1 else 3  # never a multiple of n: padding to drop
     full = torch.arange(1.0, numel + 1)
-    shard = _padded(full, n).reshape(n, -1)[rank].clone()
-    got = _expect_tensor(fn(shard.clone(), numel, n), "gather_full's result")
     padded = _padded(full, n)
-    if _same(got, full):
-        return f"the full {numel}-element tensor rebuilt from {n} shards, on every rank"
-    if got.numel() == padded.numel() and _same(got.reshape(-1), padded):
+    shard = padded.reshape(n, -1)[rank].clone()
+    with Collectives() as seen:
+        got = fn(shard.clone(), numel, n)
+    got = _expect_tensor(got, "gather_full's result").reshape(-1)
+    if got.numel() == padded.numel() and _same(got, padded):
         raise Hint(f"your tensor has {got.numel()} elements, not {numel}: drop the padding at the end",
-                   "return full[:numel]")
-    if got.numel() == shard.numel():
-        raise Hint("you returned one shard: all-gather every rank's shard into a buffer of "
-                   "world_size x shard elements", "full = torch.empty(world_size * shard.numel()); "
-                   "comm.all_gather(full, shard)")
-    if got.numel() in (numel, padded.numel()) and set(got.reshape(-1).tolist()) <= set(padded.tolist()):
-        # the right values (they are distinct), in the wrong places
-        raise Hint("the pieces are in the wrong order: all-gather already puts rank r's shard at "
-                   "[r*S, (r+1)*S) of the buffer; keep that order, only drop the padding",
-                   "return full[:numel], with full filled by comm.all_gather(full, shard)")
-    raise Hint(f"expected {_show(full)}, got {_show(got)}")
+                   "the gathered buffer ends with the padding: return only its first numel elements",
+                   mistake="kept_padding")
+    if got.numel() == shard.numel() and not seen.log:
+        raise Hint("you returned one shard, and no collective ran: all-gather every rank's shard into a "
+                   "buffer of world_size x shard elements", "comm.all_gather(full, shard) fills a buffer "
+                   "you allocate", mistake="no_all_gather")
+    if not _same(got, full):
+        if got.numel() in (numel, padded.numel()) and set(got.tolist()) <= set(padded.tolist()):  # distinct values
+            raise Hint("the pieces are in the wrong order: all-gather already puts rank r's shard at "
+                       "[r*S, (r+1)*S) of the buffer; keep that order, only drop the padding",
+                       "no reshaping or transposing after the all-gather", mistake="wrong_order")
+        raise Hint(f"expected {_show(full)}, got {_show(got)}", mistake="wrong_values")
+    _collectives(seen, ["all_gather"], padded.numel(), n, "the task rebuilds the tensor with one all-gather")
+    return f"the full {numel}-element tensor rebuilt from {n} shards with one all-gather, on every rank"
 
 
 def _grads(rank: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,48 +169,58 @@ def _grads(rank: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
 @task("lab1.mean_grad_shard", fn_name="mean_grad_shard")
 def check_mean_grad_shard(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
-    grad, mean = _grads(rank, n, 3 * n)
     shard_len = 3
-    got = _expect_tensor(fn(grad.clone(), n), "mean_grad_shard's result")
+    grad, mean = _grads(rank, n, shard_len * n)
+    with Collectives() as seen:
+        got = fn(grad.clone(), n)
+    got = _expect_tensor(got, "mean_grad_shard's result").reshape(-1)
     want = mean[rank * shard_len:(rank + 1) * shard_len]
-    if _same(got, want):
-        return f"each of {n} ranks holds its {shard_len}-element shard of the mean gradient"
     if got.numel() == grad.numel():
         raise Hint("you returned a full-size gradient: reduce-scatter leaves each rank only its "
-                   "shard (1/N of the elements)",
-                   "shard = torch.empty(grad.numel() // world_size); comm.reduce_scatter(shard, grad)")
-    if got.shape == want.shape:
-        _judge_scale(got, want, n, "your gradient shard")
+                   "shard (1/N of the elements)", "the buffer reduce-scatter writes into is "
+                   "grad.numel() // world_size long", mistake="full_size")
+    if got.shape == want.shape and not _same(got, want):
+        judge_scale(got, want, n, "your gradient shard")
         own = grad[rank * shard_len:(rank + 1) * shard_len]
         if _same(got, own) or _same(got, own / n):
             raise Hint("your shard holds only this rank's own gradient: reduce-scatter sums the "
-                       "shard over all ranks")
+                       "shard over all ranks", "call the collective before you slice or divide",
+                       mistake="no_reduce")
         for r in range(n):
             if r != rank and (_same(got, mean[r * shard_len:(r + 1) * shard_len])):
-                raise Hint(f"this rank got rank {r}'s shard of the mean: reduce-scatter hands rank r "
-                           "the r-th shard of the sum; return that one")
-    raise Hint(f"expected this rank's mean gradient shard {_show(want)}, got {_show(got)}")
+                raise Hint("this rank got another rank's shard of the mean: reduce-scatter hands rank r "
+                           "the r-th shard of the sum; return that one", ONE_SHARD_EACH, mistake="wrong_shard")
+    if not _same(got, want):
+        raise Hint(f"expected this rank's mean gradient shard {_show(want)}, got {_show(got)}", mistake="wrong_values")
+    _collectives(seen, ["reduce_scatter"], grad.numel(), n, "the task reduce-scatters")
+    return f"each of {n} ranks holds its {shard_len}-element shard of the mean gradient, from one reduce-scatter"
 
 
 @task("lab1.all_reduce_mean", fn_name="all_reduce_mean")
 def check_all_reduce_mean(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = 4 * n - 1  # not a multiple of n: pad, then drop the padding
+    padded = padded_numel(numel, n)
     grad, mean = _grads(rank, n, numel)
-    kinds: list[str] = []
-    with events.listen(lambda name, f: kinds.append(f["kind"]) if name == "comm" else None):
-        got = _expect_tensor(fn(grad.clone(), n), "all_reduce_mean's result")
-    if "all_reduce" in kinds:
-        raise Hint("you called all_reduce: build it from comm.reduce_scatter, then comm.all_gather")
+    with Collectives() as seen:
+        got = fn(grad.clone(), n)
+    got = _expect_tensor(got, "all_reduce_mean's result").reshape(-1)
+    if "all_reduce" in seen.kinds():
+        raise Hint("you called all-reduce: build it from one reduce-scatter, then one all-gather "
+                   "(that is the point of the task)", "pad, reduce-scatter and divide, all-gather, drop the padding",
+                   mistake="all_reduce_instead")
     if got.shape == mean.shape:
-        _judge_scale(got, mean, n, "your mean gradient")
-    if got.numel() == math.ceil(numel / n) * n and _same(got[:numel], mean):
+        judge_scale(got, mean, n, "your mean gradient")
+    if got.numel() == padded and _same(got[:numel], mean):
         raise Hint(f"your gradient has {got.numel()} elements, not {numel}: drop the padding",
-                   "return full[:grad.numel()]")
+                   "return only the first grad.numel() elements", mistake="kept_padding")
+    pad = padded - numel
+    if pad and got.shape == mean.shape and not got[:pad].any() and _same(got[pad:], mean[:numel - pad]):
+        raise Hint(FRONT, "torch.nn.functional.pad(flat, (left, right)): which side did you pad?",
+                   mistake="padded_at_front")
     if not _same(got, mean):
-        raise Hint(f"expected the mean gradient {_show(mean)}, got {_show(got)}")
-    if sorted(kinds) != ["all_gather", "reduce_scatter"]:
-        raise Hint(f"the mean is right, but your collectives were {kinds or 'none that comm saw'}: "
-                   "use comm.reduce_scatter once, then comm.all_gather once")
-    return (f"the mean of {n} ranks' gradients ({numel} elements, padded to {math.ceil(numel / n) * n}) "
-            "from one reduce-scatter and one all-gather, on every rank")
+        raise Hint(f"expected the mean gradient {_show(mean)}, got {_show(got)}", mistake="wrong_values")
+    _collectives(seen, ["reduce_scatter", "all_gather"], padded, n,
+                 "the task builds it from one reduce-scatter and one all-gather")
+    return (f"the mean of {n} ranks' gradients ({numel} elements, padded to {padded}) from one "
+            f"reduce-scatter and one all-gather, {seen.sent():,} B sent per rank, on every rank")

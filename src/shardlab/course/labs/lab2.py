@@ -8,9 +8,12 @@ The learner's two functions::
         reduce-scatter ``grad`` (this rank's full, padded gradient), divide, step the shard,
         all-gather the updated shards back into ``flat`` (in place)
 
-The reference is stage 0 computed on each rank alone: AdamW over the whole flat buffer, with
-the mean of every rank's gradient (the checks know every rank's gradient, so the reference
-needs no collectives). Optimizer memory is measured: the bytes of the optimizer's state tensors.
+Memory is measured, not inferred: the bytes of the optimizer's state tensors, and the storage
+behind ``master`` (a slice of a full-size copy keeps the whole copy alive). The step's reference
+is stage 0 computed on each rank alone: the whole buffer, the mean of every rank's gradient
+(known to the check, so the reference needs no collectives), over several steps. It steps with
+SGD with momentum, which, unlike Adam, is not scale-invariant: a gradient N times too large moves
+the weights N times too far, and state carries over from step to step.
 """
 
 from __future__ import annotations
@@ -18,23 +21,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs.checking import Hint, task
+from shardlab.course.labs.scale import judge_scale
+from shardlab.course.labs.tasks import Hint, task
+from shardlab.course.labs.watch import Collectives, traffic
 from shardlab.engine import comm
+from shardlab.engine.flat import padded_numel
 
 NUMEL = 29           # real elements: not a multiple of 4 or 3, so the buffer is padded
-STEPS = 3            # stage-0 parity over several steps
-LR = 0.05
+STEPS = 3            # stage-0 parity over several steps: state carries over
+LR, MOMENTUM = 0.1, 0.9
 
 
-def _make_optimizer(params):
+def _adamw(params):
     # no weight decay: a step with a zero gradient (to measure the state) leaves the weights alone
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
 def _flat(n: int) -> torch.Tensor:
     """The same padded flat buffer on every rank (as after a broadcast from rank 0)."""
-    real = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
-    return torch.nn.functional.pad(real, (0, (-NUMEL) % n))
+    flat = torch.zeros(padded_numel(NUMEL, n))
+    flat[:NUMEL] = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
+    return flat
 
 
 def _grad(flat: torch.Tensor, rank: int) -> torch.Tensor:
@@ -66,13 +77,13 @@ def _measure(master, optimizer) -> int:
 
 def _full_state_bytes(flat: torch.Tensor) -> int:
     ref = torch.nn.Parameter(flat.clone())
-    return _measure(ref, _make_optimizer([ref]))
+    return _measure(ref, _adamw([ref]))
 
 
 FULL = ("your optimizer holds state for the whole buffer: {got} B of Adam moments on this rank, "
         "as much as stage 0 ({full} B), so ZeRO-1 saves nothing. Build it over this rank's shard "
         "only, 1/{n} of the buffer")
-FULL_STRONGER = "S = flat.numel() // world_size; master = nn.Parameter(flat[rank*S:(rank+1)*S].clone())"
+SHARD = "which elements does rank r own? S = flat.numel() // world_size of them, starting at r * S"
 
 
 @task("lab2.shard_optimizer", fn_name="shard_optimizer")
@@ -80,26 +91,34 @@ def check_shard_optimizer(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = _flat(n)
     shard_numel = flat.numel() // n
-    out = fn(flat.clone(), rank, n, _make_optimizer)
+    given = flat.clone()
+    out = fn(given, rank, n, _adamw)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise Hint("shard_optimizer should return two things, (master, optimizer): "
-                   f"got {type(out).__name__}. Did you forget the return statement?")
+                   f"got {type(out).__name__}. Did you forget the return statement?", mistake="not_a_pair")
     master, optimizer = out
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise Hint(f"the second thing returned should be make_optimizer([master]), got {type(optimizer).__name__}")
+        raise Hint(f"the second thing returned should be make_optimizer([master]), got {type(optimizer).__name__}",
+                   mistake="not_an_optimizer")
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     full = _full_state_bytes(flat)
     if not (torch.is_tensor(master) and master.requires_grad and master.is_leaf):
         raise Hint("master should be an nn.Parameter (a leaf tensor that requires grad) holding "
-                   "this rank's shard", FULL_STRONGER)
+                   "this rank's shard", "wrap the shard in torch.nn.Parameter(...)", mistake="not_a_parameter")
     if sum(p.numel() for p in stepped) >= flat.numel():
         got = _measure(stepped[0], optimizer) if len(stepped) == 1 else full
-        raise Hint(FULL.format(got=got, full=full, n=n), FULL_STRONGER)
+        raise Hint(FULL.format(got=got, full=full, n=n), "make_optimizer gets a list: what is in it?",
+                   mistake="full_optimizer")
     if not any(p is master for p in stepped):
-        raise Hint("the optimizer does not step your master: build it with make_optimizer([master])")
+        raise Hint("the optimizer does not step your master: build it with make_optimizer([master])",
+                   mistake="optimizer_not_on_master")
     if master.numel() != shard_numel:
+        if n != 4 and master.numel() == flat.numel() // 4:
+            raise Hint(f"your master has {master.numel()} elements, 1/4 of the buffer, on {n} ranks: use "
+                       "world_size, not 4", "S = flat.numel() // world_size", mistake="hard_coded_world_size")
         raise Hint(f"your master has {master.numel()} elements; this rank's shard of the padded "
-                   f"{flat.numel()}-element buffer has {shard_numel} (= {flat.numel()} / {n})")
+                   f"{flat.numel()}-element buffer has {shard_numel} (= {flat.numel()} / {n})", SHARD,
+                   mistake="shard_size")
     want = flat[rank * shard_numel:(rank + 1) * shard_numel]
     if not torch.equal(master.detach(), want):
         starts = [s for s in range(flat.numel() - shard_numel + 1)
@@ -107,21 +126,27 @@ def check_shard_optimizer(fn) -> str:
         where = f"elements [{starts[0]}:{starts[0] + shard_numel}]" if starts else "other values"
         raise Hint(f"this rank steps the wrong shard: its master holds {where} of the buffer, not "
                    f"[{rank * shard_numel}:{(rank + 1) * shard_numel}]. Rank r owns the r-th "
-                   "contiguous shard", FULL_STRONGER)
+                   "contiguous shard", SHARD, mistake="wrong_shard")
+    held = master.untyped_storage().nbytes()
+    if master.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        raise Hint("your master is a view into flat, not a copy of the shard: the optimizer would write "
+                   "into the weights the all-gather reads from, and the shard is not this rank's own "
+                   "memory. Copy it", "a slice of flat shares its memory: .clone() it", mistake="master_is_a_view")
+    if held > shard_numel * master.element_size():
+        raise Hint(f"your master is a slice of a {held // master.element_size()}-element copy, which stays "
+                   f"alive as long as the master does ({held} B, not {shard_numel * master.element_size()} B): "
+                   "slice first, then copy", "order matters: slice, then .clone()", mistake="master_keeps_full_copy")
     got = _measure(master, optimizer)
     if got * n != full:
         raise Hint(f"your optimizer holds {got} B of state on this rank; 1/{n} of stage 0's {full} B "
-                   f"is {full // n} B")
-    return (f"each rank steps its own {shard_numel}-element shard; Adam's moments measured: {got} B "
-            f"per rank = 1/{n} of stage 0's {full} B")
+                   f"is {full // n} B", mistake="state_bytes")
+    return (f"each rank steps its own {shard_numel}-element shard, in {held} B of its own; Adam's moments "
+            f"measured: {got} B per rank = 1/{n} of stage 0's {full} B")
 
 
 DRIFT = ("your ranks' weights drift apart: after optimizer.step(), each rank's updated shard must "
          "reach every rank. All-gather the shards back into flat")
-DRIFT_STRONGER = "comm.all_gather(flat, master.detach()) after optimizer.step()"
-TOO_LARGE = "the gradient your optimizer stepped with is {n}x too large: did you divide the SUM by the world size?"
-TOO_SMALL = "the gradient your optimizer stepped with is {n}x too small: did you divide twice?"
-SCALE_STRONGER = "master.grad = shard / world_size, once, after comm.reduce_scatter(shard, grad)"
+GATHER = "after the step, only this rank's shard of flat is new: which collective brings the others?"
 
 
 @task("lab2.zero1_step", fn_name="zero1_step")
@@ -129,54 +154,71 @@ def check_zero1_step(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = _flat(n)
     s = flat.numel() // n
-    master = torch.nn.Parameter(flat[rank * s:(rank + 1) * s].clone())
-    optimizer = _make_optimizer([master])
+    own = slice(rank * s, (rank + 1) * s)
+    master = torch.nn.Parameter(flat[own].clone())
+    optimizer = _sgd([master])
     ref = torch.nn.Parameter(flat.clone())  # stage 0: the whole buffer, the mean gradient
-    ref_optimizer = _make_optimizer([ref])
+    ref_optimizer = _sgd([ref])
+    per_step = []
     problem = None
     for step in range(1, STEPS + 1):
-        before = flat.clone()
+        before, master_before = flat.clone(), master.detach().clone()
         mean = torch.stack([_grad(ref.detach(), r) for r in range(n)]).mean(0)
-        fn(flat, _grad(flat, rank), master, optimizer, n)
+        with Collectives() as seen:
+            fn(flat, _grad(flat, rank), master, optimizer, n)
+        per_step.append(seen)
         ref.grad = mean
         ref_optimizer.step()
         everyone = torch.empty(n * flat.numel())  # the check's own collective: every rank's flat
         comm.all_gather(everyone, flat.detach().clone())
         if problem is None:
-            problem = _diagnose(flat, before, ref.detach(), everyone.view(n, -1), master, mean, rank, n, step)
-        if problem is not None:
-            break
+            problem = _diagnose(flat, before, master, master_before, ref.detach(), everyone.view(n, -1),
+                                mean, rank, n, step)
     if problem is not None:
         raise problem
-    return (f"{STEPS} ZeRO-1 steps on {n} ranks match stage 0 (AdamW on the whole buffer); every "
-            f"rank holds the same full weights; each stepped only its {s}-element shard")
+    want = ["reduce_scatter", "all_gather"]
+    for step, seen in enumerate(per_step, 1):
+        if "all_reduce" in seen.kinds():
+            raise Hint(f"the weights are right, but step {step} all-reduced: ZeRO-1 reduce-scatters, so each "
+                       f"rank receives only its shard ({seen.sent():,} B sent per rank, the lab's step "
+                       f"{traffic(flat.numel(), 4, n, want):,} B)", "the gradient a rank steps with is only "
+                       "its shard: which collective delivers just that?", mistake="all_reduce_instead")
+        if sorted(seen.kinds()) != sorted(want):
+            got = ", ".join(seen.kinds()) or "none"
+            raise Hint(f"the weights are right, but step {step} ran these collectives: {got}; a ZeRO-1 step "
+                       "is one reduce-scatter and one all-gather", mistake="collectives")
+    return (f"{STEPS} ZeRO-1 steps on {n} ranks match stage 0 (SGD with momentum on the whole buffer); "
+            f"every rank holds the same full weights; each stepped only its {s}-element shard, with one "
+            f"reduce-scatter and one all-gather a step ({per_step[0].sent():,} B sent per rank)")
 
 
-def _diagnose(flat, before, ref, everyone, master, mean, rank, n, step) -> Hint | None:
+def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n, step) -> Hint | None:
     """The first thing wrong after ``step``, as a Hint; None when it matches stage 0."""
     s = flat.numel() // n
     own = slice(rank * s, (rank + 1) * s)
-    g = master.grad
-    if g is not None and g.shape == master.shape:
-        want = mean[own]
-        if torch.allclose(g, want * n, atol=1e-6) and not torch.allclose(g, want, atol=1e-6):
-            return Hint(TOO_LARGE.format(n=n), SCALE_STRONGER)
-        if torch.allclose(g, want / n, atol=1e-6) and not torch.allclose(g, want, atol=1e-6):
-            return Hint(TOO_SMALL.format(n=n), SCALE_STRONGER)
+    moved = master.detach() - master_before
+    if step == 1:  # SGD's first step moves by -LR x the gradient it was given: read it back
+        stepped_with = -moved / LR
+        if not moved.any():
+            return Hint("optimizer.step() did not move your master: master.grad was None or zero when it "
+                        "ran. Set master.grad first; zero_grad() belongs after the step, or before you set it",
+                        "look at the order of optimizer.step() and optimizer.zero_grad()", mistake="no_grad_at_step")
+        try:
+            judge_scale(stepped_with, mean[own], n, "the gradient your optimizer stepped with")
+        except Hint as hint:
+            return hint
         local = _grad(before, rank)[own]
-        if torch.allclose(g, local, atol=1e-6) or torch.allclose(g, local / n, atol=1e-6):
+        if torch.allclose(stepped_with, local, atol=1e-5) or torch.allclose(stepped_with, local / n, atol=1e-5):
             return Hint("your shard's gradient is this rank's own gradient, not the mean over ranks: "
-                        "reduce-scatter grad first", "shard = torch.empty(grad.numel() // world_size); "
-                        "comm.reduce_scatter(shard, grad)")
+                        "reduce-scatter grad first", "the collective goes before the slice", mistake="no_reduce")
     if not all(torch.equal(everyone[0], everyone[r]) for r in range(n)):
-        return Hint(DRIFT, DRIFT_STRONGER)
+        return Hint(DRIFT, GATHER, mistake="drift")
     if torch.allclose(flat, ref, atol=1e-5):
         return None
     if torch.equal(flat, before):
         return Hint("the full weights did not change: after optimizer.step(), all-gather every "
-                    "rank's updated shard into flat", DRIFT_STRONGER)
-    if torch.allclose(flat[own], ref[own], atol=1e-5):
-        return Hint(DRIFT, DRIFT_STRONGER)
+                    "rank's updated shard into flat", GATHER, mistake="no_all_gather")
     return Hint(f"after step {step}, this rank's shard differs from stage 0 by up to "
                 f"{(flat[own] - ref[own]).abs().max().item():.2g}: reduce-scatter grad, divide by "
-                "world_size, set master.grad, optimizer.step(), all-gather")
+                "world_size, set master.grad, optimizer.step(), all-gather", mistake="wrong_values")
+

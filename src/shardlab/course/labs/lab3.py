@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import pieces
-from shardlab.course.labs.checking import Hint, task
-from shardlab.engine import comm, events
+from shardlab.course.labs import lab_model
+from shardlab.course.labs.scale import judge_scale
+from shardlab.course.labs.tasks import Hint, task
+from shardlab.course.labs.watch import Collectives, traffic
+from shardlab.engine import comm
 
-BACKWARDS = 2  # two micro-batches: the second backward is where re-arming (and double reduction) shows
+BACKWARDS = 3  # micro-batches: from the second backward on, re-arming (and double reduction) shows
 
 
 def _fake_grads(unit, rank: int) -> list[torch.Tensor]:
@@ -29,77 +31,71 @@ def _fake_grads(unit, rank: int) -> list[torch.Tensor]:
 def check_reduce_unit(fn) -> str:
     """Hand ``fn`` a unit whose parameters hold this rank's gradients; expect the mean shard back."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    unit = pieces.flat_units(pieces.make_model(), sharded=False)[0]
+    unit = lab_model.flat_units(lab_model.make_model(), sharded=False)[0]
     for p, g in zip(unit.params, _fake_grads(unit, rank)):
         p.grad = g.clone()
-    everyone = [pieces.padded_flat(_fake_grads(unit, r), unit.padded_numel) for r in range(n)]
+    everyone = [lab_model.padded_flat(_fake_grads(unit, r), n) for r in range(n)]
     mean = torch.stack(everyone).mean(0)
     shard_of = lambda flat, r: flat[r * unit.shard_numel : (r + 1) * unit.shard_numel]  # noqa: E731
     want = shard_of(mean, rank)
-
-    kinds = []  # collectives issued through shardlab.comm, or dist.all_reduce called directly
-    all_reduce = dist.all_reduce
-
-    def counted_all_reduce(*args, **kwargs):
-        kinds.append("all_reduce")
-        return all_reduce(*args, **kwargs)
-
-    dist.all_reduce = counted_all_reduce
-    try:
-        with events.listen(lambda name, f: kinds.append(f["kind"]) if name == "comm" else None):
-            got = fn(unit)
-    finally:
-        dist.all_reduce = all_reduce
-
+    with Collectives() as seen:
+        got = fn(unit)
     # what every rank returned, seen by every rank (bookkeeping, before any verdict)
     returned = comm.gather_lists([got.detach().reshape(-1).float().clone() if torch.is_tensor(got) else None])
     if not torch.is_tensor(got):
-        raise Hint(f"reduce_unit returned {type(got).__name__}; return this rank's gradient shard (a tensor)")
-    got = got.detach().reshape(-1)
-    if got.numel() == unit.padded_numel:
-        raise Hint(f"you returned the whole gradient ({got.numel()} elements): each rank keeps only its "
+        raise Hint(f"reduce_unit returned {type(got).__name__}; return this rank's gradient shard (a tensor)",
+                   mistake="not_a_tensor")
+    flat_got = got.detach().reshape(-1)
+    if flat_got.numel() == unit.padded_numel:
+        raise Hint(f"you returned the whole gradient ({flat_got.numel()} elements): each rank keeps only its "
                    f"shard of unit.shard_numel = {unit.shard_numel} elements. Reduce-scatter instead.",
-                   stronger="shard = torch.empty(unit.shard_numel); comm.reduce_scatter(shard, full)")
-    if got.numel() != unit.shard_numel:
-        raise Hint(f"your shard has {got.numel()} elements, expected unit.shard_numel = {unit.shard_numel}: "
+                   "the buffer the collective writes into is unit.shard_numel long", mistake="full_size")
+    if flat_got.numel() != unit.shard_numel:
+        raise Hint(f"your shard has {flat_got.numel()} elements, expected unit.shard_numel = {unit.shard_numel}: "
                    f"pack the gradients into a flat buffer padded to unit.padded_numel = {unit.padded_numel} "
-                   "first (unit.pack_grads(torch.float32) does it)")
-    got = got.float()
-    if pieces.close(got, want * n):
-        raise Hint(f"your gradient shard is {n}x too large: reduce_scatter SUMs over the {n} ranks; "
-                   "divide by the world size to get the mean", stronger="shard /= unit.world_size")
-    if pieces.close(got, want / n):
-        raise Hint(f"your gradient shard is {n}x too small: you divided by the world size twice")
-    if pieces.close(got, shard_of(everyone[rank], rank)):
-        raise Hint("your shard holds only this rank's own gradient: reduce (SUM) across ranks first")
-    shards_everywhere = [t is not None and t.shape == got.shape and pieces.close(t, shard_of(mean, 0))
-                         for t in returned]
-    if n > 1 and all(shards_everywhere):
+                   "first (unit.pack_grads(torch.float32) does it)", mistake="shard_size")
+    flat_got = flat_got.float()
+    if n > 1 and all(t is not None and t.shape == flat_got.shape and lab_model.close(t, shard_of(mean, 0))
+                     for t in returned):  # one mistake, seen from every rank (rank 0's values are right)
         raise Hint("every rank holds rank 0's shard: rank r keeps elements "
-                   "[r * shard_numel, (r + 1) * shard_numel) of the flat gradient")
-    for r in range(n):
-        if r != rank and pieces.close(got, shard_of(mean, r)):
-            raise Hint(f"rank {rank} holds rank {r}'s shard: rank r keeps elements "
-                       "[r * shard_numel, (r + 1) * shard_numel) of the flat gradient")
-    if not pieces.close(got, want):
+                   "[r * shard_numel, (r + 1) * shard_numel) of the flat gradient", mistake="rank0_shard")
+    if not lab_model.close(flat_got, want):
+        if not flat_got.any():
+            raise Hint("your shard is all zeros: the gradients were gone when you packed them. Pack "
+                       "(unit.pack_grads) first, then free them (unit.set_param_grads(None))",
+                       "look at the order of your first two lines", mistake="freed_before_packing")
+        judge_scale(flat_got, want, n, "your gradient shard")
+        own = shard_of(everyone[rank], rank)
+        if lab_model.close(flat_got, own) or lab_model.close(flat_got, own / n):
+            raise Hint("your shard holds only this rank's own gradient: reduce (SUM) across ranks first",
+                       mistake="no_reduce")
+        if any(lab_model.close(flat_got, shard_of(mean, r)) for r in range(n)):
+            raise Hint("this rank holds another rank's shard: rank r keeps elements "
+                       "[r * shard_numel, (r + 1) * shard_numel) of the flat gradient", mistake="wrong_shard")
         raise Hint(f"your shard differs from the mean gradient's shard (max difference "
-                   f"{(got - want).abs().max():.3g}); pack the grads in unit.params order, then reduce-scatter")
+                   f"{(flat_got - want).abs().max():.3g}); pack the grads in unit.params order, then reduce-scatter",
+                   mistake="wrong_values")
     alive = [i for i, p in enumerate(unit.params) if p.grad is not None]
     if alive:
         raise Hint(f"the full gradient is still alive: p.grad of {len(alive)} of the unit's "
                    f"{len(unit.params)} parameters still holds it. Set it to None once packed: otherwise "
                    "no memory is saved, and the next backward adds to it and reduces it again "
-                   "(double reduction)", stronger="unit.set_param_grads(None)  # or p.grad = None for each p")
+                   "(double reduction)", "what still points at the full gradients after you packed them?",
+                   mistake="full_grads_alive")
     held = got.untyped_storage().nbytes()
     if held > unit.shard_numel * got.element_size():
         raise Hint(f"your shard is a view into a {held // got.element_size()}-element buffer, which stays "
                    "alive as long as the shard does: reduce-scatter into a fresh tensor of "
-                   "unit.shard_numel elements")
-    if "all_reduce" in kinds and "reduce_scatter" not in kinds:
-        raise Hint("you all-reduced the whole gradient, then kept a slice: a reduce-scatter sends each "
-                   "rank only its shard of the sum, half the traffic of an all-reduce")
+                   "unit.shard_numel elements", mistake="shard_is_a_view")
+    if "all_reduce" in seen.kinds():
+        raise Hint("the values are right, but you all-reduced the whole gradient and kept a piece: a "
+                   f"reduce-scatter sends each rank only its shard of the sum ({seen.sent():,} B sent per rank "
+                   f"vs {traffic(unit.padded_numel, 4, n, ['reduce_scatter']):,} B)", mistake="all_reduce_instead")
+    if seen.kinds() != ["reduce_scatter"]:
+        raise Hint(f"the values are right, but your collectives were: {', '.join(seen.kinds()) or 'none'}; "
+                   "the task is one reduce-scatter", mistake="collectives")
     return (f"{unit.name}: this rank's {unit.shard_numel:,} of {unit.padded_numel:,} gradient elements are the "
-            f"mean over {n} ranks, in memory of their own; the full gradient is freed")
+            f"mean over {n} ranks, from one reduce-scatter, in memory of their own; the full gradient is freed")
 
 
 def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
@@ -110,8 +106,8 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
     gradient accumulation, each storage once).
     """
     rank = dist.get_rank()
-    model = pieces.make_model()
-    units = pieces.flat_units(model, sharded=False)
+    model = lab_model.make_model()
+    units = lab_model.flat_units(model, sharded=False)
     params = [p for u in units for p in u.params]
     state = {"backward": 0, "peak": 0}
     got = {u.name: 0 for u in units}
@@ -146,47 +142,58 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
         state["backward"] = b
         for name in got:
             got[name] = 0
-        x, y = pieces.batch(rank, b)
-        pieces.loss_fn(model(x), y).backward()
+        x, y = lab_model.batch(rank, b)
+        lab_model.loss_fn(model(x), y).backward()
     return {"units": units, "calls": calls, "shards": shards, "peak": state["peak"],
             "all_grads": sum(p.numel() * p.element_size() for p in params)}
+
+
+COUNT = "you cannot know which gradient comes last: count how many of len(params) have arrived"
+REARM = "when the count reaches zero, the next backward needs a full count again"
 
 
 @task("lab3.when_ready", fn_name="when_ready")
 def check_when_ready(fn) -> str:
     """Plug ``fn`` into a ZeRO-2 backward (with the reference reduce) and watch when it fires."""
-    run = zero2_backward(fn, pieces.reduce_grads)
-    want = pieces.reference_grad_shards(steps=BACKWARDS)  # every collective before any verdict
+    run = zero2_backward(fn, lab_model.reduce_grads)
+    want = lab_model.reference_grad_shards(steps=BACKWARDS)  # every collective before any verdict
     for b, per_unit in enumerate(run["calls"]):
-        which = "the first backward" if b == 0 else "the second backward"
+        which = ("the first", "the second", "the third", "a later")[min(b, 3)] + " backward"
         for u in run["units"]:
             counts, n = per_unit[u.name], len(u.params)
             early = [c for c in counts if c < n]
+            if b == 0 and len(counts) == n and n > 1 and counts[0] < n:
+                raise Hint(f"on_ready ran after every gradient of {u.name} ({n} times in {which}): each call "
+                           "reduces a partial gradient. Call it once, when the last of the unit's gradients is in",
+                           COUNT, mistake="fires_every_hook")
+            if early and early[0] == n - 1 and len(counts) == 1:
+                raise Hint(f"on_ready ran for {u.name} in {which} just before its last gradient was stored in "
+                           "p.grad: p.register_hook runs when a gradient is computed, before it is accumulated. "
+                           "Use p.register_post_accumulate_grad_hook", "which hook runs after p.grad is updated?",
+                           mistake="tensor_hook")
             if early and (b == 0 or len(counts) == 1):
                 raise Hint(f"on_ready ran for {u.name} in {which} when only {early[0]} of its {n} gradients "
-                           "were in: reducing then sends a partial gradient. Count the hook calls down and "
-                           "call on_ready only at zero",
-                           stronger="left = [len(params)]; in the hook: left[0] -= 1; if left[0] == 0: on_ready()")
+                           "were in: reducing then sends a partial gradient. Hook every parameter, count the "
+                           "hook calls down and call on_ready only at zero", COUNT, mistake="fires_early")
             if len(counts) > 1:
                 raise Hint(f"on_ready ran {len(counts)} times for {u.name} in {which}: each call reduces "
-                           "again (double reduction). Call it once per backward: reset your count to "
-                           "len(params) when it fires",
-                           stronger="if left[0] == 0: left[0] = len(params); on_ready()")
+                           "again (double reduction). Call it once per backward: reset your count when it fires",
+                           REARM, mistake="fires_again")
             if not counts:
                 if b == 0:
                     raise Hint(f"on_ready never ran for {u.name}: call it when the last of its "
-                               f"{n} gradients has been accumulated")
-                raise Hint(f"on_ready never ran for {u.name} in the second backward: your countdown "
-                           "stayed at zero. Re-arm it (reset to len(params)) when it fires",
-                           stronger="if left[0] == 0: left[0] = len(params); on_ready()")
+                               f"{n} gradients has been accumulated", COUNT, mistake="never_fires")
+                raise Hint(f"on_ready never ran for {u.name} in {which}: your count did not start again "
+                           "after the first backward. Re-arm it when it fires", REARM, mistake="not_rearmed")
     for u, w in zip(run["units"], want):
-        if not pieces.close(run["shards"][u.name], w):
+        if not lab_model.close(run["shards"][u.name], w):
             raise Hint(f"{u.name}: the gradient shards summed over {BACKWARDS} backwards differ from the "
-                       "reference; call on_ready exactly once per backward, after the unit's last gradient")
+                       "reference; call on_ready exactly once per backward, after the unit's last gradient",
+                       mistake="wrong_values")
     peak, every = run["peak"], run["all_grads"]
     if peak >= every:
         raise Hint(f"full gradients peaked at {peak:,} bytes, as much as keeping all of them ({every:,}): "
-                   "call on_ready as soon as each unit is done, not at the end")
+                   "call on_ready as soon as each unit is done, not at the end", mistake="fires_at_the_end")
     return (f"on_ready ran once per unit per backward, after its last gradient ({BACKWARDS} backwards); "
             f"gradient shards match the all-reduce reference; full gradients peaked at {peak:,} bytes "
             f"vs {every:,} with all alive ({peak / every:.2f}x)")

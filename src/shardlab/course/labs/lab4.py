@@ -4,8 +4,9 @@ The units are the engine's own FlatUnits, sharded: at rest a rank holds ``unit.m
 shard) and ``unit.full`` has no memory. ``unit.gather()`` borrows the other shards,
 ``unit.free()`` gives them back. Two tasks: ``forward(unit, x)`` (borrow around the forward)
 and ``prepare_backward(unit, out)`` (borrow again for the backward, then reduce-scatter and
-give back). The checks drive a 4-block model through them, record what happened to each unit,
-and compare the gradient shards with ShardLab's stage 3.
+give back). The checks drive a 4-block model through them, record what happened to each unit
+and how many units held full weights at once, run backward through what the forward built,
+and compare the gradient shards with ShardLab's stage 3, over 3 steps where hooks could pile up.
 """
 
 from __future__ import annotations
@@ -13,71 +14,106 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import pieces
-from shardlab.course.labs.checking import Hint, task
-from shardlab.course.labs.pieces import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
+from shardlab.course.labs import lab_model, watch
+from shardlab.course.labs.lab_model import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
+from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine import api
 
+STEPS = 3
+MOST = 2  # units gathered at once in backward: the one running and the one whose gradients are landing
 CYCLE_FORWARD = ["gather", "forward", "free"]
 CYCLE = ["gather", "forward", "free", "gather", "backward", "reduce_scatter", "free"]
-AFTER_BACKWARD = "lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))"
+FREE_FIRST = ["gather", "forward", "free", "gather", "backward", "free", "reduce_scatter"]  # FSDP's own order
+AFTER_BACKWARD = ("once all the unit's gradients are in (lab4.on_grads_ready), two things remain to do: "
+                  "reduce them (lab4.reduce_grads) and give the weights back")
+GATHER_AGAIN = "out.register_hook(fn) runs fn when backward reaches this unit's output: the moment to borrow"
 
 
 def _at_rest(units) -> str:
     held = sum(u.full.untyped_storage().nbytes() for u in units)
     if held:
         busy = [u.name for u in units if u.is_gathered]
-        raise Hint(f"{', '.join(busy)} still hold their full weights: at rest a rank keeps only its shard")
+        raise Hint(f"{', '.join(busy)} still hold their full weights: at rest a rank keeps only its shard",
+                   mistake="not_at_rest")
     u = units[0]
     return (f"at rest each rank holds {u.shard_numel:,} of {u.padded_numel:,} elements per unit "
             f"(1/{u.world_size}), full weights freed")
 
 
-def _must_be_gathered(unit, when: str) -> None:
-    if not unit.is_gathered:
-        raise Hint(f"{unit.name}'s {when} ran on freed weights: only the shard is there. Gather the unit "
-                   f"before its {when}" + (", free it after" if when == "forward" else ""),
-                   stronger="unit.gather()" if when == "forward" else
-                   "out.register_hook(lambda grad: unit.gather())  # runs just before the unit's backward")
+def _forward_on_gathered(trace):
+    def check(unit) -> None:
+        if unit.is_gathered:
+            return
+        if "gather" in trace.of(unit.name, ("gather",)):
+            raise Hint(f"{unit.name}'s forward ran after you freed it: it computed on released memory. Free "
+                       "a unit only once its output is computed", "look at the order of your three lines",
+                       mistake="freed_before_forward")
+        raise Hint(f"{unit.name}'s forward ran on freed weights: only the shard is there. Gather the unit "
+                   "before its forward", "borrow first: unit.gather()", mistake="never_gathered")
+    return check
 
 
 @task("lab4.forward", fn_name="forward")
 def check_forward(fn) -> str:
     """Run a 4-block model unit by unit through ``fn``; the weights must be borrowed only meanwhile."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     for u in units:
-        trace.watch(u, forward_check=lambda u: _must_be_gathered(u, "forward"))
-    x, _ = pieces.batch(rank, 0)
+        trace.watch(u, forward_check=_forward_on_gathered(trace))
+    x, _ = lab_model.batch(rank, 0)
     out = x
     try:
         for u in units:
             out = fn(u, out)
             if u.is_gathered:
-                raise Hint(f"after your forward, {u.name} still holds its full weights: free it once its "
-                           "output is computed, or no memory is saved (every unit ends up gathered)",
-                           stronger="out = unit.module(x); unit.free(); return out")
+                raise Hint(f"after your forward, {u.name} still holds its full weights: free it once its output "
+                           "is computed, or no memory is saved (every unit ends up gathered)",
+                           "the last thing before return gives the weights back", mistake="not_freed")
             if not torch.is_tensor(out):
-                raise Hint(f"forward returned {type(out).__name__}: return the unit's output, unit.module(x)")
+                raise Hint(f"forward returned {type(out).__name__}: return the unit's output, unit.module(x)",
+                           mistake="not_a_tensor")
     finally:
         trace.close()
-    want = pieces.make_model()(x)
-    if not pieces.close(out.detach(), want.detach()):
-        raise Hint("the output differs from the whole model's: return unit.module(x), run on the gathered weights")
+    want = lab_model.make_model()(x)
+    if not lab_model.close(out.detach(), want.detach()):
+        raise Hint("the output differs from the whole model's: return unit.module(x), run on the gathered weights",
+                   mistake="wrong_values")
     for u in units:
         seen = trace.of(u.name, ("gather", "forward", "free"))
         if seen != CYCLE_FORWARD:
-            raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE_FORWARD)}")
-    return f"every unit went {' -> '.join(CYCLE_FORWARD)}; output matches the whole model; {_at_rest(units)}"
+            raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE_FORWARD)}", mistake="cycle")
+    rest = _at_rest(units)
+    _backward_reaches_every_unit(units, out)
+    return f"every unit went {' -> '.join(CYCLE_FORWARD)}; output matches the whole model; backward reaches every unit; {rest}"
+
+
+def _backward_reaches_every_unit(units, out) -> None:
+    """The output must carry its autograd graph: backward (on re-gathered weights) reaches every unit."""
+    if not out.requires_grad or out.grad_fn is None:
+        raise Hint("your output has no autograd graph, so backward cannot run: did the forward run under "
+                   "torch.no_grad(), or return a detached tensor? Training needs the graph",
+                   "return unit.module(x) itself", mistake="no_graph")
+    for u in units:
+        u.gather()
+    try:
+        out.sum().backward()
+    finally:
+        for u in units:
+            u.free()
+    missed = [u.name for u in units if any(p.grad is None for p in u.params)]
+    if missed:
+        raise Hint(f"backward from the output never reached {', '.join(missed)}: the graph is cut between "
+                   "units (a detached output, or torch.no_grad()). Return unit.module(x) itself",
+                   "return unit.module(x) itself", mistake="no_graph")
 
 
 @task("lab4.prepare_backward", fn_name="prepare_backward")
 def check_prepare_backward(fn) -> str:
-    """Forward unit by unit, ``fn(unit, out)`` after each; then one backward, compared with stage 3."""
+    """Forward unit by unit, ``fn(unit, out)`` after each; then backward, compared with stage 3; 3 steps."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     left = {u.name: 0 for u in units}
     for u in units:
         trace.watch(u)
@@ -89,47 +125,81 @@ def check_prepare_backward(fn) -> str:
             if left[u.name] > 0:
                 raise Hint(f"{u.name} was freed while {left[u.name]} of its {len(u.params)} gradients were still "
                            "to come: its backward needs the full weights until the last one. Free it when "
-                           "all are in (lab4.on_grads_ready), after lab4.reduce_grads", stronger=AFTER_BACKWARD)
+                           "all are in (lab4.on_grads_ready)", AFTER_BACKWARD, mistake="freed_too_early")
             traced_free()
 
         u.free = guarded_free
 
     def backward_starts(u):
-        _must_be_gathered(u, "backward")
+        if not u.is_gathered:
+            raise Hint(f"{u.name}'s backward ran on freed weights: only the shard is there. Gather the unit "
+                       "again before its backward", GATHER_AGAIN, mistake="backward_on_freed")
         trace.add("backward", u.name)
         left[u.name] = len(u.params)
 
-    x, y = pieces.batch(rank, 0)
-    out = x
+    reference = lab_model.make_model()  # stage 3 on the same data: every collective before any verdict
+    _, ref_optimizer = api.parallelize(reference, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
+    steps = []
     try:
-        with trace.listen():
+        for step in range(STEPS):
+            start, trace.most_gathered = len(trace.log), 0
             for u in units:
-                u.gather()
-                out = u.module(out)
-                u.free()
-                fn(u, out)
-                out.register_hook(lambda grad, u=u: backward_starts(u))  # after the learner's hooks
-            pieces.loss_fn(out, y).backward()
+                u.master.grad = None
+            x, y = lab_model.batch(rank, step)
+            out = x
+            with trace.listen():  # the learner's collectives only (the reference's units share the names)
+                for u in units:
+                    u.gather()
+                    out = u.module(out)
+                    u.free()
+                    fn(u, out)
+                    out.register_hook(lambda grad, u=u: backward_starts(u))  # after the learner's hooks
+                lab_model.loss_fn(out, y).backward()
+            ref_optimizer.zero_grad()
+            lab_model.loss_fn(reference(x), y).backward()
+            steps.append({"log": trace.log[start:], "most": trace.most_gathered,
+                          "gathered": [u.name for u in units if u.is_gathered],
+                          "grads": [None if u.master.grad is None else u.master.grad.clone() for u in units],
+                          "want": [r.master.grad.clone() for r in api.engine_of(reference).units]})
     finally:
         trace.close()
-    reference = pieces.make_model()  # stage 3 on the same data: every collective before any verdict
-    api.parallelize(reference, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1)
-    pieces.loss_fn(reference(x), y).backward()
+    for k, step in enumerate(steps, 1):
+        _judge_step(units, step, k)
+    most = max(s["most"] for s in steps)
+    return (f"every unit went {' -> '.join(CYCLE)} in each of {STEPS} steps; at most {most} unit"
+            f"{'s' if most != 1 else ''} held full weights at once; gradient shards match ShardLab stage 3; "
+            f"{_at_rest(units)}")
 
-    for u in units:
-        if u.is_gathered:
-            raise Hint(f"after backward, {u.name} still holds its full weights: free it once its gradients "
-                       "are reduce-scattered", stronger=AFTER_BACKWARD)
-        if u.master.grad is None:
+
+def _judge_step(units, step: dict, k: int) -> None:
+    for name in step["gathered"]:
+        raise Hint(f"after backward, {name} still holds its full weights: free it once its gradients "
+                   "are reduce-scattered", AFTER_BACKWARD, mistake="not_freed_after_backward")
+    for u, grad in zip(units, step["grads"]):
+        if grad is None:
             raise Hint(f"{u.name} has no gradient shard after backward: call lab4.reduce_grads(unit) once all "
-                       "its gradients are in (lab4.on_grads_ready)", stronger=AFTER_BACKWARD)
-    keep = ("gather", "free", "forward", "backward", "reduce_scatter")
+                       "its gradients are in (lab4.on_grads_ready)", AFTER_BACKWARD, mistake="no_reduce")
     for u in units:
-        seen = trace.of(u.name, keep)
-        if seen != CYCLE:
-            raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE)}")
-    for u, ref in zip(units, api.engine_of(reference).units):
-        if not pieces.close(u.master.grad, ref.master.grad):
-            raise Hint(f"{u.name}'s gradient shard differs from ShardLab stage 3's: reduce once, after the "
-                       "unit's last gradient")
-    return (f"every unit went {' -> '.join(CYCLE)}; gradient shards match ShardLab stage 3; {_at_rest(units)}")
+        seen = [w for w, name in step["log"] if name == u.name and w in ("gather", "free", "forward",
+                                                                         "backward", "reduce_scatter")]
+        reductions = seen.count("reduce_scatter")
+        if k > 1 and reductions > 1:
+            raise Hint(f"in step {k}, {u.name}'s gradients were reduce-scattered {reductions} times: the hooks "
+                       f"you registered in earlier steps still fire (prepare_backward runs every step). Use "
+                       "hooks that remove themselves once they ran, as lab4.on_grads_ready does",
+                       "register_post_accumulate_grad_hook returns a handle: what should happen to it?",
+                       mistake="hooks_pile_up")
+        if step["most"] > MOST and seen[:4] == CYCLE[:4]:
+            raise Hint(f"{step['most']} units held their full weights at once: you gather each unit again right "
+                       "after its forward, so at the end of forward every unit is gathered. Gather it when "
+                       "backward reaches it", GATHER_AGAIN, mistake="gathered_too_early")
+        if seen not in (CYCLE, FREE_FIRST):
+            raise Hint(f"in step {k}, {u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE)}",
+                       mistake="cycle")
+    if step["most"] > MOST:
+        raise Hint(f"{step['most']} units held their full weights at once in step {k}; at most {MOST} may",
+                   mistake="too_many_gathered")
+    for u, grad, want in zip(units, step["grads"], step["want"]):
+        if not lab_model.close(grad, want):
+            raise Hint(f"in step {k}, {u.name}'s gradient shard differs from ShardLab stage 3's: reduce once, "
+                       "after the unit's last gradient", mistake="wrong_values")

@@ -16,50 +16,59 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab.course.labs import pieces
-from shardlab.course.labs.checking import Hint, task
+from shardlab.course.labs import lab_model, watch
+from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine import api, events
 from shardlab.instruments.link import emulate_link, link_delay
 
 MOST = 2  # units gathered at once: the one running and the next one
+STEPS = 3  # training steps in stage 3: the engine's state carries over
 
 
 def _not_in_flight(unit) -> None:
     if unit.gathering is not None:
         raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
-                   "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)")
+                   "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)",
+                   "a started gather is finished by a plain unit.gather() on the same unit", mistake="used_in_flight")
     if not unit.is_gathered:
-        raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first")
+        raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first",
+                   mistake="never_gathered")
 
 
 def _too_many(most: int) -> Hint:
     return Hint(f"{most} units held their full weights at once; at most {MOST} may: the one running and the "
                 "next. Prefetch only the next unit, and free each unit as soon as it is done",
-                stronger="if i + 1 < len(units): units[i + 1].gather(async_op=True)")
+                "how far ahead do you start gathers? One unit is enough to hide the wait", mistake="too_many")
 
 
 @task("lab5.forward_prefetch", fn_name="forward_prefetch")
 def check_forward_prefetch(fn) -> str:
     """Run the 4-block model through ``fn``; each next gather must be in flight during this unit's forward."""
     rank = dist.get_rank()
-    units = pieces.flat_units(pieces.make_model(), sharded=True)
-    trace = pieces.Trace(units)
+    units = lab_model.flat_units(lab_model.make_model(), sharded=True)
+    trace = watch.Trace(units)
     for u in units:
         trace.watch(u, forward_check=_not_in_flight)
-    x, _ = pieces.batch(rank, 0)
+    x, _ = lab_model.batch(rank, 0)
     try:
         with trace.listen():
             out = fn(units, x)
     finally:
         trace.close()
     if not torch.is_tensor(out):
-        raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output")
-    if not pieces.close(out.detach(), pieces.make_model()(x).detach()):
-        raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights")
+        raise Hint(f"forward_prefetch returned {type(out).__name__}: return the last unit's output",
+                   mistake="not_a_tensor")
+    if not lab_model.close(out.detach(), lab_model.make_model()(x).detach()):
+        raise Hint("the output differs from the whole model's: run every unit once, in order, on its gathered weights",
+                   mistake="wrong_values")
+    if not out.requires_grad or out.grad_fn is None:
+        raise Hint("your output has no autograd graph, so backward cannot run: did the loop run under "
+                   "torch.no_grad(), or detach the output? Training needs the graph",
+                   "return what the last unit.module(x) returned", mistake="no_graph")
     busy = [u.name for u in units if u.is_gathered]
     if busy:
         raise Hint(f"{', '.join(busy)} still hold full weights at the end: free each unit after its forward",
-                   stronger="x = unit.module(x); unit.free()")
+                   "the last step for each unit, once its output is computed", mistake="not_freed")
     if trace.most_gathered > MOST:
         raise _too_many(trace.most_gathered)
     log = trace.log
@@ -70,17 +79,18 @@ def check_forward_prefetch(fn) -> str:
         if issued is None or issued > started:
             raise Hint(f"{u.name}'s gather started only after {prev.name}'s forward had begun: nothing overlaps. "
                        f"Start it (unit.gather(async_op=True)) before running {prev.name}",
-                       stronger="units[i + 1].gather(async_op=True)  # before x = unit.module(x)")
+                       "the next unit's gather goes before this unit's compute", mistake="no_overlap")
         if landed < done:
             raise Hint(f"you waited for {u.name}'s gather before {prev.name}'s forward ran, so it hid nothing: "
-                       "start it with unit.gather(async_op=True) and wait (unit.gather()) only when you need it")
+                       "start it with unit.gather(async_op=True) and wait (unit.gather()) only when you need it",
+                       "which call starts a gather without waiting?", mistake="waited_at_once")
     return (f"each unit's gather was in flight during the previous unit's forward; at most "
             f"{trace.most_gathered} units gathered at once; output matches the whole model")
 
 
-def _stage3(prefetch_next=None, *, d: int = pieces.D, prefetch: bool = True):
+def _stage3(prefetch_next=None, *, d: int = lab_model.D, prefetch: bool = True):
     """A stage-3 model of blocks; ``prefetch_next`` replaces the engine's own prefetch rule."""
-    model = pieces.make_model(d)
+    model = lab_model.make_model(d)
     model, optimizer = api.parallelize(model, stage=3, optimizer_cls=torch.optim.SGD, lr=0.1, prefetch=prefetch)
     engine = api.engine_of(model)
     if prefetch_next is not None:
@@ -89,7 +99,7 @@ def _stage3(prefetch_next=None, *, d: int = pieces.D, prefetch: bool = True):
 
 
 def _step(model, optimizer, x, y) -> None:
-    pieces.loss_fn(model(x), y).backward()
+    lab_model.loss_fn(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -107,7 +117,8 @@ def check_prefetch_next(fn) -> str:
             fn(order, unit)
         except IndexError as e:
             raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
-                       "prefetch only if there is one", stronger="if i + 1 < len(order): ...") from None
+                       "prefetch only if there is one", "compare the index with len(order) first",
+                       mistake="past_the_end") from None
         during = [(name, kind) for name, kind, _ in log[before:]]
         calls["issued"] += during.count(("comm", "all_gather"))
         calls["waited"] += during.count(("comm_done", "all_gather"))
@@ -116,31 +127,33 @@ def check_prefetch_next(fn) -> str:
     model, optimizer, engine = _stage3(guarded)
 
     def record(name, fields):
-        most[0] = max(most[0], pieces.gathered(engine.units))
+        most[0] = max(most[0], watch.gathered(engine.units))
         log.append((name, fields.get("kind"), fields.get("unit")))
 
-    steps = 2
+    steps = STEPS
     with events.listen(record):
         for step in range(steps):
-            _step(model, optimizer, *pieces.batch(rank, step))
+            _step(model, optimizer, *lab_model.batch(rank, step))
     mine = api.full_state_dict(model)  # every collective before any verdict
     ref_model, ref_opt, _ = _stage3(prefetch=False)
     for step in range(steps):
-        _step(ref_model, ref_opt, *pieces.batch(rank, step))
+        _step(ref_model, ref_opt, *lab_model.batch(rank, step))
     reference = api.full_state_dict(ref_model)
-    if most[0] > MOST:
-        raise _too_many(most[0])
-    if calls["issued"] == 0:
-        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
-                   "(the current one is gathered already)", stronger="order[i + 1].gather(async_op=True)")
-    if calls["waited"]:
-        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
-                   "gather(async_op=True); the engine waits when that unit is about to run")
     n = len(engine.units)
     gathers = [i for i, (name, kind, _) in enumerate(log) if name == "comm" and kind == "all_gather"]
     if len(gathers) > 2 * n * steps:
         raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
-                   "forward, once for backward): you prefetched units that had already run")
+                   "forward, once for backward): you prefetched units that had already run",
+                   "which way does `order` run? The next unit is after `unit`, not before", mistake="prefetched_done")
+    if most[0] > MOST:
+        raise _too_many(most[0])
+    if calls["issued"] == 0:
+        raise Hint("your prefetch_next started no gather: start the one of the unit AFTER `unit` in `order` "
+                   "(the current one is gathered already)", "find unit's index in order", mistake="started_none")
+    if calls["waited"]:
+        raise Hint("your prefetch_next waited for the gather it started, so it hid nothing: start it with "
+                   "gather(async_op=True); the engine waits when that unit is about to run",
+                   "which call starts a gather without waiting?", mistake="waited_at_once")
     hidden = 0
     for i in gathers:
         unit = log[i][2]
@@ -149,10 +162,11 @@ def check_prefetch_next(fn) -> str:
     want = 2 * (n - 1) * steps
     if hidden < want:
         raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
-                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it")
+                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it",
+                   mistake="waited_at_once")
     for name, t in reference.items():
-        if not pieces.close(mine[name], t):
-            raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch")
+        if not lab_model.close(mine[name], t):
+            raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch", mistake="wrong_values")
     return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
             f"most {most[0]} units gathered at once; weights after {steps} steps match stage 3 without prefetch")
 
@@ -183,7 +197,7 @@ def _measure(prefetch_next, link: str, steps: int, d: int) -> dict:
                 if not async_op:
                     _waited[0] += time.perf_counter() - t
             unit.gather = timed
-        x, y = pieces.batch(rank, 0, d, rows=256)
+        x, y = lab_model.batch(rank, 0, d, rows=256)
         _step(model, optimizer, x, y)  # warm-up
         cost = [0.0]
 

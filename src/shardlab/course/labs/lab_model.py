@@ -1,10 +1,12 @@
-"""The pieces the checks of labs 3-5 hand to a learner's functions, and the references they compare with.
+"""The lab model of labs 3-5: a stack of blocks, its units, its data, and the references the checks compare with.
 
 The lab model is a stack of small blocks with no parameters outside them, so every parameter
 belongs to a unit and "at most two units gathered" means exactly that. Units are the engine's
 own :class:`~shardlab.engine.flat.FlatUnit` (what ShardLab's stages use): ``unit.params``,
 ``unit.module``, ``unit.full`` (the padded flat weights the parameters view), ``unit.master``
 (this rank's shard, at stage 3), ``unit.gather()``, ``unit.free()``, ``unit.is_gathered``.
+Lab 3's answers (:func:`reduce_grads`, :func:`on_grads_ready`) live here too: lab 4 hands them
+to the learner.
 
 The d = 50 blocks hold 20,350 elements each: not a multiple of 4, so every unit is padded.
 """
@@ -12,12 +14,12 @@ The d = 50 blocks hold 20,350 elements each: not a multiple of 4, so every unit 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # ranks and sizes only: collectives go through comm
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardlab.engine import comm, events
-from shardlab.engine.flat import FlatUnit
+from shardlab.engine import comm
+from shardlab.engine.flat import FlatUnit, padded_numel
 
 D, BLOCKS, ROWS = 50, 4, 16
 
@@ -78,9 +80,11 @@ def flat_units(model: Stack, *, sharded: bool) -> list[FlatUnit]:
     return units
 
 
-def padded_flat(tensors, padded_numel: int) -> torch.Tensor:
-    flat = torch.zeros(padded_numel)
-    flat[: sum(t.numel() for t in tensors)] = torch.cat([t.reshape(-1) for t in tensors])
+def padded_flat(tensors, world_size: int) -> torch.Tensor:
+    """``tensors`` flattened into one buffer, zero padded to a multiple of ``world_size``."""
+    numel = sum(t.numel() for t in tensors)
+    flat = torch.zeros(padded_numel(numel, world_size))
+    flat[:numel] = torch.cat([t.reshape(-1) for t in tensors])
     return flat
 
 
@@ -96,13 +100,10 @@ def reference_grad_shards(steps: int = 1, d: int = D, blocks: int = BLOCKS) -> l
         loss_fn(model(x), y).backward()
     shards = []
     for block in model.blocks:
-        params = list(block.parameters())
-        numel = sum(p.numel() for p in params)
-        padded = -(-numel // world_size) * world_size
-        flat = padded_flat([p.grad for p in params], padded)
-        dist.all_reduce(flat)  # SUM
+        flat = padded_flat([p.grad for p in block.parameters()], world_size)
+        comm.all_reduce(flat)  # SUM
         flat /= world_size
-        shard = padded // world_size
+        shard = flat.numel() // world_size
         shards.append(flat[rank * shard : (rank + 1) * shard].clone())
     return shards
 
@@ -138,65 +139,6 @@ def on_grads_ready(unit: FlatUnit, fn) -> None:
             fn()
 
     handles += [p.register_post_accumulate_grad_hook(ready) for p in unit.params]
-
-
-def gathered(units) -> int:
-    """How many units hold their full weights now (a gather in flight counts: its memory exists)."""
-    return sum(u.is_gathered for u in units)
-
-
-class Trace:
-    """What happened to each unit, in order: gather, free, forward, backward, all_gather, reduce_scatter...
-
-    ``watch(unit)`` wraps the unit's ``gather``/``free`` and hooks its module; communication is
-    recorded from the engine's events (``comm`` when issued, ``comm_done`` when waited for).
-    ``most_gathered`` is the largest number of units holding full weights at any recorded moment.
-    """
-
-    def __init__(self, units):
-        self.units = list(units)
-        self.log: list[tuple[str, str]] = []
-        self.most_gathered = gathered(self.units)
-        self._handles = []
-
-    def add(self, what: str, unit_name: str | None) -> None:
-        self.log.append((what, unit_name))
-        self.most_gathered = max(self.most_gathered, gathered(self.units))
-
-    def watch(self, unit: FlatUnit, *, forward_check=None) -> None:
-        gather, free = unit.gather, unit.free
-
-        def traced_gather(*, async_op: bool = False):
-            gather(async_op=async_op)
-            self.add("prefetch" if async_op else "gather", unit.name)
-
-        def traced_free():
-            free()
-            self.add("free", unit.name)
-
-        unit.gather, unit.free = traced_gather, traced_free
-
-        def pre(module, args):
-            if forward_check is not None:
-                forward_check(unit)
-            self.add("forward", unit.name)
-
-        self._handles += [unit.module.register_forward_pre_hook(pre),
-                          unit.module.register_forward_hook(lambda m, a, o: self.add("forward_done", unit.name))]
-
-    def on_event(self, name: str, fields: dict) -> None:
-        if name in ("comm", "comm_done"):
-            self.add(fields["kind"] + ("" if name == "comm" else "_done"), fields.get("unit"))
-
-    def listen(self):
-        return events.listen(self.on_event)
-
-    def of(self, unit_name: str, kinds=None) -> list[str]:
-        return [w for w, u in self.log if u == unit_name and (kinds is None or w in kinds)]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,162 @@
+"""Judging one task on one rank, within a time limit, whatever the learner's function does.
+
+Nothing a learner writes may hang a check or bury the reason under tracebacks: every task has a
+time limit (the process group's collective timeout, and an alarm for endless Python loops); a
+learner's exception becomes one line naming its type, message and line, and the errors torch
+and gloo raise for a collective called with the wrong sizes are told in the lab's words.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import signal
+import sys
+import traceback
+
+from shardlab.course.labs.tasks import Hint, Task
+from shardlab.course.labs.verdicts import DEADLOCK, NOT_IMPLEMENTED
+
+
+class TaskTimeout(Exception):  # noqa: N818
+    pass
+
+
+def set_collective_timeout(seconds: float) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def drop_group() -> None:
+    """Leave the process group, so that peers waiting on this rank fail now, not at the timeout."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort: the group is rebuilt anyway
+            pass
+
+
+_modules: dict[str, object] = {}
+
+
+def _resolve(source, fn_name: str):
+    """The learner's function: ``source`` is the function itself, or a .py file to import it from."""
+    if callable(source):
+        return source
+    path = os.path.abspath(source)
+    if path not in _modules:
+        spec = importlib.util.spec_from_file_location(f"_submission_{len(_modules)}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(path))
+        spec.loader.exec_module(module)
+        _modules[path] = module
+    fn = getattr(_modules[path], fn_name, None)
+    if not callable(fn):
+        raise NotImplementedError(f"no function {fn_name} in {os.path.basename(path)}")
+    return fn
+
+
+def _where(exc: BaseException, files: set[str]) -> str:
+    """' (line N of your cell)': the last line of the learner's code in the traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename in files]
+    if not frames:
+        return ""
+    name = frames[-1].filename
+    place = "your cell" if "ipykernel" in name or name.startswith("<") else os.path.basename(name)
+    return f" (line {frames[-1].lineno} of {place})"
+
+
+#: torch's and gloo's words for a collective called with buffers of the wrong sizes.
+_SIZE_ERRORS = ("invalid output tensor", "invalid input tensor", "outputShape", "inputShape",
+                "must be equal to world_size", "output tensor size", "input tensor size",
+                "tensor size mismatch", "must have the same number of elements")
+UNEQUAL = ("your collective's buffers do not fit: all-gather needs full = world_size x shard "
+           "elements, reduce-scatter needs full = world_size x shard. Are all your shards the same "
+           "size, i.e. did you pad to a multiple of the world size?")
+
+
+def _stub_name(exc: NotImplementedError) -> str | None:
+    """The function whose stub raised: the innermost frame of the traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].name if frames else None
+
+
+_import_failures: dict[str, dict] = {}  # a file that cannot be imported fails every task at once
+
+
+def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
+    """Run ``task.check`` on this rank; the outcome as plain data. Raises nothing."""
+    if isinstance(source, str) and os.path.abspath(source) in _import_failures:
+        return dict(_import_failures[os.path.abspath(source)])
+    files: set[str] = set()
+    fn = None
+    set_collective_timeout(limit)
+    if alarm:
+        def _ring(signum, frame):
+            raise TaskTimeout
+        previous = signal.signal(signal.SIGALRM, _ring)
+        signal.setitimer(signal.ITIMER_REAL, limit + 2.0)
+    try:
+        try:
+            fn = _resolve(source, task.fn_name)
+        except NotImplementedError:
+            raise
+        except (TaskTimeout, KeyboardInterrupt):
+            out = {"status": "timed out", "message": f"importing your file did not finish "
+                   f"within {limit:.0f} s: top-level code that never ends?"}
+            _import_failures[os.path.abspath(source)] = out
+            return out
+        except BaseException as exc:  # noqa: BLE001 - the file itself is broken
+            first = (str(exc).strip().splitlines() or [""])[0]
+            out = {"status": "error", "message": f"importing your file raised {type(exc).__name__}: {first}"}
+            _import_failures[os.path.abspath(source)] = out
+            return out
+        code = getattr(fn, "__code__", None)
+        files.add(code.co_filename if code else "")
+        if isinstance(source, str):
+            files.add(os.path.abspath(source))
+        return {"status": "pass", "message": task.check(fn)}
+    except Hint as hint:
+        return {"status": "fail", "message": hint.message, "stronger": hint.stronger,
+                "mistake": hint.mistake, "broken": hint.broken}
+    except NotImplementedError as exc:
+        stub = _stub_name(exc)
+        if str(exc).startswith("no function"):
+            text = str(exc)
+        elif fn is not None and stub not in (task.fn_name, getattr(fn, "__name__", None)):
+            text = f"your {task.fn_name} calls {stub}, which is still a stub: finish that task first"
+        else:
+            text = f"write {task.fn_name} above, then run this cell again"
+        return {"status": NOT_IMPLEMENTED, "message": f"not implemented yet: {text}"}
+    except (TaskTimeout, KeyboardInterrupt):
+        return {"status": "timed out",
+                "message": f"your function was still running after {limit:.0f} s: an endless loop?"}
+    except BaseException as exc:  # noqa: BLE001 - a learner's mistake, told in one line
+        return _told(exc, files, limit)
+    finally:
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _told(exc: BaseException, files: set[str], limit: float) -> dict:
+    """A learner's exception (or torch's, on what the learner passed) in one line."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+        return {"status": "timed out", "message": DEADLOCK.format(limit=limit)}
+    if any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                "Broken pipe", "DistBackendError", "not been initialized")):
+        return {"status": "peer", "message": "released: another rank failed"}
+    where = _where(exc, files)
+    if any(s in text for s in _SIZE_ERRORS):
+        return {"status": "error", "message": UNEQUAL + where, "mistake": "collective_sizes"}
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if where:
+        return {"status": "error", "message": f"your function raised {type(exc).__name__}: {first}{where}"}
+    return {"status": "error", "message": f"{type(exc).__name__} in the check, on what your "
+            f"function returned: {first}. Does it return what its docstring asks for?"}

@@ -1,0 +1,176 @@
+"""Realistic wrong answers to lab 3, one small slip each (importable: the checks run them on
+spawned ranks), and correct alternatives that must pass."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed import all_reduce
+
+from shardlab import comm
+
+
+# -- reduce_unit --------------------------------------------------------------------------------
+def reduce_unit_sum_not_divided(unit):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    shard = torch.empty(unit.shard_numel)
+    comm.reduce_scatter(shard, full)
+    return shard
+
+
+def reduce_unit_keeps_full_grads(unit):
+    full = unit.pack_grads(torch.float32)  # p.grad is never dropped
+    shard = torch.empty(unit.shard_numel)
+    comm.reduce_scatter(shard, full)
+    return shard / unit.world_size
+
+
+def reduce_unit_slice_of_all_reduce(unit):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    comm.all_reduce(full)
+    full /= unit.world_size
+    return unit.my_shard(full)  # right values, but a view: the whole buffer stays alive
+
+
+def reduce_unit_rank0_shard(unit):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    comm.all_reduce(full)
+    return full[: unit.shard_numel] / unit.world_size  # every rank takes the first shard
+
+
+def reduce_unit_frees_before_packing(unit):
+    unit.set_param_grads(None)
+    full = unit.pack_grads(torch.float32)
+    shard = torch.empty(unit.shard_numel)
+    comm.reduce_scatter(shard, full)
+    return shard / unit.world_size
+
+
+def reduce_unit_all_reduce_then_copy(unit):  # right values in memory of their own, 2x traffic
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    all_reduce(full)
+    return unit.my_shard(full).clone() / unit.world_size
+
+
+def reduce_unit_own_gradient(unit):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    return unit.my_shard(full).clone() / unit.world_size
+
+
+def reduce_unit_divided_by_four(unit):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    shard = torch.empty(unit.shard_numel)
+    comm.reduce_scatter(shard, full)
+    return shard / 4
+
+
+def reduce_unit_with_torch_distributed(unit):  # correct: torch.distributed directly
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    shard = torch.empty(unit.shard_numel)
+    dist.reduce_scatter_tensor(shard, full)
+    return shard / unit.world_size
+
+
+# -- when_ready ---------------------------------------------------------------------------------
+def when_ready_hooks_last_param(params, on_ready):
+    # "the last parameter is done last": backward fills the last layer first
+    params[-1].register_post_accumulate_grad_hook(lambda p: on_ready())
+
+
+def when_ready_set_never_cleared(params, on_ready):
+    seen = set()
+
+    def hook(p):
+        seen.add(p)
+        if len(seen) == len(params):  # true again at every hook of the next backward
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def when_ready_not_rearmed(params, on_ready):
+    left = [len(params)]
+
+    def hook(p):
+        left[0] -= 1
+        if left[0] == 0:
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def when_ready_counts_up_never_reset(params, on_ready):
+    done = [0]
+
+    def hook(p):
+        done[0] += 1
+        if done[0] == len(params):  # 7, 8, ... in the next backward: never again
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def when_ready_tensor_hook(params, on_ready):
+    left = [len(params)]
+
+    def hook(grad):  # runs when the gradient is computed, before p.grad holds it
+        left[0] -= 1
+        if left[0] == 0:
+            left[0] = len(params)
+            on_ready()
+
+    for p in params:
+        p.register_hook(hook)
+
+
+def when_ready_every_hook(params, on_ready):
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: on_ready())
+
+
+def when_ready_counts_down_from_a_set(params, on_ready):  # correct: a set of those still to come
+    waiting = set()
+
+    def hook(p):
+        if not waiting:
+            waiting.update(id(q) for q in params)
+        waiting.discard(id(p))
+        if not waiting:
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+REDUCE, READY = "lab3.reduce_unit", "lab3.when_ready"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "SUM not divided": (REDUCE, reduce_unit_sum_not_divided, "not_divided", "too large"),
+    "full gradient kept alive": (REDUCE, reduce_unit_keeps_full_grads, "full_grads_alive", "full gradient is still alive"),
+    "shard is a view of the all-reduced buffer": (REDUCE, reduce_unit_slice_of_all_reduce, "shard_is_a_view", "view into a"),
+    "every rank keeps rank 0's shard": (REDUCE, reduce_unit_rank0_shard, "rank0_shard", "holds rank 0's shard"),
+    "freed before packing": (REDUCE, reduce_unit_frees_before_packing, "freed_before_packing", "were gone when you packed"),
+    "all-reduce, then a copy of its shard": (REDUCE, reduce_unit_all_reduce_then_copy, "all_reduce_instead", "you all-reduced"),
+    "only its own gradient": (REDUCE, reduce_unit_own_gradient, "no_reduce", "only this rank's own gradient"),
+    "reduced before all gradients are in": (READY, when_ready_hooks_last_param, "fires_early", "when only 1 of its 6 gradients"),
+    "double reduction on a second backward": (READY, when_ready_set_never_cleared, "fires_again",
+                                              "in the second backward: each call reduces again (double reduction)"),
+    "countdown not re-armed": (READY, when_ready_not_rearmed, "not_rearmed", "never ran for blocks.0 in the second backward"),
+    "counts up, never reset": (READY, when_ready_counts_up_never_reset, "not_rearmed", "did not start again"),
+    "tensor hook instead of post-accumulate": (READY, when_ready_tensor_hook, "tensor_hook", "register_post_accumulate_grad_hook"),
+    "on_ready at every hook": (READY, when_ready_every_hook, "fires_every_hook", "after every gradient"),
+}
+ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3
+    "divided by 4": (REDUCE, reduce_unit_divided_by_four, "hard_coded_world_size", "you divided by 4"),
+}
+CORRECT = {
+    "reduce-scatter through torch.distributed directly": (REDUCE, reduce_unit_with_torch_distributed),
+    "a set of the gradients still to come": (READY, when_ready_counts_down_from_a_set),
+}

@@ -1,0 +1,120 @@
+"""Realistic wrong answers to lab 4, one small slip each (importable: the checks run them on
+spawned ranks), and correct alternatives that must pass."""
+
+import torch
+
+from shardlab.course.labs import lab4
+
+
+# -- forward ------------------------------------------------------------------------------------
+def forward_never_frees(unit, x):
+    unit.gather()
+    return unit.module(x)
+
+
+def forward_frees_before_running(unit, x):
+    unit.gather()
+    unit.free()
+    return unit.module(x)
+
+
+def forward_never_gathers(unit, x):
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
+def forward_under_no_grad(unit, x):  # "we only need the values here"
+    unit.gather()
+    with torch.no_grad():
+        out = unit.module(x)
+    unit.free()
+    return out
+
+
+def forward_returns_detached(unit, x):  # detached so the freed weights are "not referenced"
+    unit.gather()
+    out = unit.module(x).detach()
+    unit.free()
+    return out
+
+
+def forward_gathers_async_and_waits(unit, x):  # correct: start, then wait, then run
+    unit.gather(async_op=True)
+    unit.gather()
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
+# -- prepare_backward ---------------------------------------------------------------------------
+def prepare_backward_no_regather(unit, out):
+    lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
+
+
+def prepare_backward_frees_at_first_gradient(unit, out):
+    out.register_hook(lambda grad: unit.gather())
+    # the last parameter's gradient comes first: the rest of the unit's backward still needs the weights
+    unit.params[-1].register_post_accumulate_grad_hook(lambda p: (lab4.reduce_grads(unit), unit.free()))
+
+
+def prepare_backward_never_frees(unit, out):
+    out.register_hook(lambda grad: unit.gather())
+    lab4.on_grads_ready(unit, lambda: lab4.reduce_grads(unit))
+
+
+def prepare_backward_no_reduce(unit, out):
+    out.register_hook(lambda grad: unit.gather())
+    lab4.on_grads_ready(unit, unit.free)
+
+
+def prepare_backward_gathers_at_once(unit, out):  # gathered now, not when backward arrives
+    unit.gather()
+    lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
+
+
+def prepare_backward_permanent_hooks(unit, out):  # lab 3's re-armed countdown, registered every step
+    out.register_hook(lambda grad: unit.gather())
+    left = [len(unit.params)]
+
+    def hook(p):
+        left[0] -= 1
+        if left[0] == 0:
+            left[0] = len(unit.params)
+            lab4.reduce_grads(unit)
+            unit.free()
+
+    for p in unit.params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def prepare_backward_free_then_reduce(unit, out):  # correct: FSDP's own order
+    out.register_hook(lambda grad: unit.gather())
+    lab4.on_grads_ready(unit, lambda: (unit.free(), lab4.reduce_grads(unit)))
+
+
+FORWARD, BACKWARD = "lab4.forward", "lab4.prepare_backward"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "never frees after forward": (FORWARD, forward_never_frees, "not_freed", "still holds its full weights"),
+    "frees before the forward ran": (FORWARD, forward_frees_before_running, "freed_before_forward",
+                                     "blocks.0's forward ran after you freed it"),
+    "never gathers": (FORWARD, forward_never_gathers, "never_gathered", "blocks.0's forward ran on freed weights"),
+    "forward under no_grad": (FORWARD, forward_under_no_grad, "no_graph", "no autograd graph"),
+    "forward returns a detached output": (FORWARD, forward_returns_detached, "no_graph", "no autograd graph"),
+    "not re-gathered for backward": (BACKWARD, prepare_backward_no_regather, "backward_on_freed",
+                                     "blocks.3's backward ran on freed weights"),
+    "freed before its backward finished": (BACKWARD, prepare_backward_frees_at_first_gradient, "freed_too_early",
+                                           "was freed while 5 of its 6 gradients were still to come"),
+    "never freed after backward": (BACKWARD, prepare_backward_never_frees, "not_freed_after_backward",
+                                   "after backward, blocks.0 still holds its full weights"),
+    "gradients never reduced": (BACKWARD, prepare_backward_no_reduce, "no_reduce", "has no gradient shard"),
+    "gathered again at once": (BACKWARD, prepare_backward_gathers_at_once, "gathered_too_early",
+                               "4 units held their full weights at once"),
+    "hooks registered every step": (BACKWARD, prepare_backward_permanent_hooks, "hooks_pile_up",
+                                    "in step 2, blocks.0's gradients were reduce-scattered 2 times"),
+}
+ON_THREE: dict = {}
+CORRECT = {
+    "forward starts the gather, then waits": (FORWARD, forward_gathers_async_and_waits),
+    "free before reduce-scatter (FSDP's order)": (BACKWARD, prepare_backward_free_then_reduce),
+}

@@ -1,0 +1,151 @@
+"""Realistic wrong answers to lab 5, one small slip each (importable: the checks run them on
+spawned ranks), and correct alternatives that must pass."""
+
+import torch
+
+
+# -- forward_prefetch ---------------------------------------------------------------------------
+def forward_prefetch_everything_upfront(units, x):
+    for unit in units:
+        unit.gather(async_op=True)
+    for unit in units:
+        unit.gather()
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
+def forward_prefetch_waits_at_once(units, x):
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather()  # a plain gather waits right here
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
+def forward_prefetch_never_waits(units, x):
+    units[0].gather()
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        x = unit.module(x)  # the prefetched unit is used without waiting for its gather
+        unit.free()
+    return x
+
+
+def forward_prefetch_never_frees(units, x):
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        x = unit.module(x)
+    return x
+
+
+def forward_prefetch_after_compute(units, x):  # the next gather starts once this unit is done
+    for i, unit in enumerate(units):
+        unit.gather()
+        x = unit.module(x)
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        unit.free()
+    return x
+
+
+def forward_prefetch_two_ahead(units, x):
+    for i, unit in enumerate(units):
+        unit.gather()
+        for later in units[i + 1:i + 3]:
+            later.gather(async_op=True)
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
+def forward_prefetch_under_no_grad(units, x):  # "only values are needed in forward"
+    with torch.no_grad():
+        for i, unit in enumerate(units):
+            unit.gather()
+            if i + 1 < len(units):
+                units[i + 1].gather(async_op=True)
+            x = unit.module(x)
+            unit.free()
+    return x
+
+
+def forward_prefetch_first_two_then_next(units, x):  # correct: start 0 and 1, then each next
+    units[0].gather(async_op=True)
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
+# -- prefetch_next ------------------------------------------------------------------------------
+def prefetch_next_all_remaining(order, unit):
+    for later in order[order.index(unit) + 1:]:
+        later.gather(async_op=True)
+
+
+def prefetch_next_waits(order, unit):
+    i = order.index(unit)
+    if i + 1 < len(order):
+        order[i + 1].gather()
+
+
+def prefetch_next_past_the_end(order, unit):
+    order[order.index(unit) + 1].gather(async_op=True)
+
+
+def prefetch_next_current(order, unit):
+    unit.gather(async_op=True)  # already gathered: starts nothing
+
+
+def prefetch_next_previous(order, unit):
+    i = order.index(unit)
+    if i > 0:
+        order[i - 1].gather(async_op=True)  # the unit that already ran
+
+
+def prefetch_next_two_ahead(order, unit):
+    i = order.index(unit)
+    if i + 2 < len(order):
+        order[i + 2].gather(async_op=True)
+
+
+def prefetch_next_by_identity(order, unit):  # correct: a loop instead of index()
+    for i, u in enumerate(order):
+        if u is unit and i + 1 < len(order):
+            order[i + 1].gather(async_op=True)
+
+
+FORWARD, NEXT = "lab5.forward_prefetch", "lab5.prefetch_next"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "every gather started up front": (FORWARD, forward_prefetch_everything_upfront, "too_many",
+                                      "4 units held their full weights at once; at most 2"),
+    "waits for the prefetch at once": (FORWARD, forward_prefetch_waits_at_once, "waited_at_once", "so it hid nothing"),
+    "uses a unit before its gather landed": (FORWARD, forward_prefetch_never_waits, "used_in_flight",
+                                             "while its prefetched gather was still in flight"),
+    "never frees": (FORWARD, forward_prefetch_never_frees, "not_freed", "still hold full weights at the end"),
+    "prefetch after the compute": (FORWARD, forward_prefetch_after_compute, "no_overlap", "nothing overlaps"),
+    "prefetch two ahead": (FORWARD, forward_prefetch_two_ahead, "too_many", "3 units held their full weights"),
+    "forward under no_grad": (FORWARD, forward_prefetch_under_no_grad, "no_graph", "no autograd graph"),
+    "prefetches every remaining unit": (NEXT, prefetch_next_all_remaining, "too_many",
+                                        "4 units held their full weights at once; at most 2"),
+    "waits for the prefetch at once (stage 3)": (NEXT, prefetch_next_waits, "waited_at_once",
+                                                 "waited for the gather it started"),
+    "runs past the last unit": (NEXT, prefetch_next_past_the_end, "past_the_end", "the last unit in the order has no next one"),
+    "prefetches the current unit": (NEXT, prefetch_next_current, "started_none", "started no gather"),
+    "prefetches the unit that already ran": (NEXT, prefetch_next_previous, "prefetched_done", "already run"),
+    "prefetches two ahead (stage 3)": (NEXT, prefetch_next_two_ahead, "too_many", "units held their full weights at once"),
+}
+ON_THREE: dict = {}
+CORRECT = {
+    "starts the first gather early too": (FORWARD, forward_prefetch_first_two_then_next),
+    "finds the unit by identity": (NEXT, prefetch_next_by_identity),
+}
