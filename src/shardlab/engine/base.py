@@ -202,10 +202,9 @@ class Engine:
         self._start_backward()
         if unit.reduced:
             raise RuntimeError(
-                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 units must "
-                "run their forward in registration order (ranks may skip units), and a unit run twice in "
-                "one forward must be so on every rank; register the modules in the order they run, "
-                "or use stage 2")
+                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 units must run "
+                "in registration order (ranks may skip units), and a unit run twice in one forward must be "
+                "so on every rank; register the modules in the order they run, or use stage 2")
         unit.grads_to_come -= 1
         if unit.grads_to_come == 0:
             events.emit("backward_done", unit=unit.name)
