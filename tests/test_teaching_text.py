@@ -36,7 +36,10 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 8
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+LABS = sorted((ROOT / "labs").glob("*.ipynb")) + sorted((ROOT / "labs" / "solutions").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + LABS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_no_authors_words_in_markdown(path):
     for text in cells(path, "markdown"):
         assert not re.search(r"\bseed\b", text, re.I), f"{path.name} says 'seed': {text[:120]!r}"
