@@ -207,8 +207,9 @@ class FlatUnit:
             p.data = view
 
     @property
-    def is_gathered(self) -> bool:
-        """Not ``SHARDED``: the full buffer is allocated (read-only; the labs' name for ``state``)."""
+    def holds_full(self) -> bool:
+        """The full buffer's memory is allocated: ``GATHERED``, or ``GATHERING`` (an all-gather
+        is filling it). What the labs count for memory; ``state`` says which of the two."""
         return self.state is not UnitState.SHARDED
 
     @property

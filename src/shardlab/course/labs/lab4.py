@@ -32,7 +32,7 @@ GATHER_AGAIN = "out.register_hook(fn) runs fn when backward reaches this unit's 
 def _at_rest(units) -> str:
     held = sum(u.full.untyped_storage().nbytes() for u in units)
     if held:
-        busy = [u.name for u in units if u.is_gathered]
+        busy = [u.name for u in units if u.holds_full]
         raise Hint(f"{', '.join(busy)} still hold their full weights: at rest a rank keeps only its shard",
                    mistake="not_at_rest")
     u = units[0]
@@ -42,7 +42,7 @@ def _at_rest(units) -> str:
 
 def _forward_on_gathered(trace):
     def check(unit) -> None:
-        if unit.is_gathered:
+        if unit.holds_full:
             return
         if "gather" in trace.of(unit.name, ("gather",)):
             raise Hint(f"{unit.name}'s forward ran after you freed it: it computed on released memory. Free "
@@ -66,7 +66,7 @@ def check_forward(fn) -> str:
     try:
         for u in units:
             out = fn(u, out)
-            if u.is_gathered:
+            if u.holds_full:
                 raise Hint(f"after your forward, {u.name} still holds its full weights: free it once its output "
                            "is computed, or no memory is saved (every unit ends up gathered)",
                            "the last thing before return gives the weights back", mistake="not_freed")
@@ -131,7 +131,7 @@ def check_prepare_backward(fn) -> str:
         u.free = guarded_free
 
     def backward_starts(u):
-        if not u.is_gathered:
+        if not u.holds_full:
             raise Hint(f"{u.name}'s backward ran on freed weights: only the shard is there. Gather the unit "
                        "again before its backward", GATHER_AGAIN, mistake="backward_on_freed")
         trace.add("backward", u.name)
@@ -158,7 +158,7 @@ def check_prepare_backward(fn) -> str:
             ref_optimizer.zero_grad()
             lab_model.loss_fn(reference(x), y).backward()
             steps.append({"log": trace.log[start:], "most": trace.most_gathered,
-                          "gathered": [u.name for u in units if u.is_gathered],
+                          "gathered": [u.name for u in units if u.holds_full],
                           "grads": [None if u.master.grad is None else u.master.grad.clone() for u in units],
                           "want": [r.master.grad.clone() for r in api.engine_of(reference).units]})
     finally:

@@ -30,7 +30,7 @@ def _not_in_flight(unit) -> None:
         raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
                    "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)",
                    "a started gather is finished by a plain unit.gather() on the same unit", mistake="used_in_flight")
-    if not unit.is_gathered:
+    if not unit.holds_full:
         raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first",
                    mistake="never_gathered")
 
@@ -65,7 +65,7 @@ def check_forward_prefetch(fn) -> str:
         raise Hint("your output has no autograd graph, so backward cannot run: did the loop run under "
                    "torch.no_grad(), or detach the output? Training needs the graph",
                    "return what the last unit.module(x) returned", mistake="no_graph")
-    busy = [u.name for u in units if u.is_gathered]
+    busy = [u.name for u in units if u.holds_full]
     if busy:
         raise Hint(f"{', '.join(busy)} still hold full weights at the end: free each unit after its forward",
                    "the last step for each unit, once its output is computed", mistake="not_freed")

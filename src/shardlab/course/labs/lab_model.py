@@ -4,7 +4,7 @@ The lab model is a stack of small blocks with no parameters outside them, so eve
 belongs to a unit and "at most two units gathered" means exactly that. Units are the engine's
 own :class:`~shardlab.engine.flat.FlatUnit` (what ShardLab's stages use): ``unit.params``,
 ``unit.module``, ``unit.full`` (the padded flat weights the parameters view), ``unit.master``
-(this rank's shard, at stage 3), ``unit.gather()``, ``unit.free()``, ``unit.is_gathered``.
+(this rank's shard, at stage 3), ``unit.gather()``, ``unit.free()``, ``unit.holds_full``.
 Lab 3's answers (:func:`reduce_grads`, :func:`on_grads_ready`) live here too: lab 4 hands them
 to the learner.
 

@@ -108,7 +108,7 @@ def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all
 
 def gathered(units) -> int:
     """How many units hold their full weights now (a gather in flight counts: its memory exists)."""
-    return sum(u.is_gathered for u in units)
+    return sum(u.holds_full for u in units)
 
 
 class Trace:
