@@ -11,11 +11,11 @@ in this file, once::
               forward_done, post_backward, backward_done, pre_backward, prefetch_next,
               count_accumulators, holding, held_backward
 
-* ``shard(unit)``              which part of a unit the optimizer steps on this rank (the master);
-* ``reduce_grads(unit)``       start combining a unit's gradients across ranks; *returns* the
+* ``shard(unit)``: which part of a unit the optimizer steps on this rank (the master);
+  ``reduce_grads(unit)``: start combining a unit's gradients across ranks, *returning* the
   :class:`~shardlab.engine.flat.Reduction` (the base queues it and waits for it);
-* ``keep_grads(reduction)``    what is kept when that reduction lands;
-* ``after_step(unit)``         how the updated weights reach the parameters again;
+  ``keep_grads(reduction)``: what is kept when it lands; ``after_step(unit)``: how the updated
+  weights reach the parameters again;
 * ``forward_start()``, ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
   ``post_backward(unit)``, ``backward_done()``: the points of a step where stage 3 gathers and
   frees (stages 0-2 keep the base's versions). The rest of ``zero3.py``'s list is its own:
@@ -25,15 +25,11 @@ in this file, once::
 and sets class attributes instead of testing stage numbers: ``shards_optimizer_state`` and
 ``shards_params`` (the paper's P_os and P_p), ``reduce_as_ready`` (ZeRO-2's P_g: see below).
 
-Every rank issues the same collectives in the same order, whatever its control flow: each
-unit's reduction starts in one fixed order (the units in reverse registration order, the root
-unit last), as soon as its gradients and those of the units before it are ready. A unit that got
-no gradient on this rank (an expert no token chose) joins with ``-0.0`` when backward ends (at
-stage 3, when the backward walk passes it), as FSDP2's root post-backward callback does. The
-ranks then issue one sequence and differ only in timing, so a rank that waits, waits for a
-collective the others will issue: nobody drifts, aborts or hangs. A parameter no rank gave a
-gradient keeps ``grad = None`` and is not stepped (``missing_grads.py`` says how that is known
-with no extra collective).
+Every rank issues the same collectives in the same order, whatever its control flow: the units'
+reductions start in one fixed order (reverse registration order, the root last), each as soon as
+it and those before it are ready; a unit this rank never ran joins with ``-0.0`` when backward
+ends (at stage 3, when the walk passes it), as FSDP2's root post-backward callback does. Ranks
+differ only in timing: nobody drifts, aborts or hangs (``missing_grads.py`` tells the rest).
 """
 
 from __future__ import annotations
@@ -49,7 +45,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardlab.engine import comm, events
 from shardlab.engine.flat import FlatUnit, Reduction
 from shardlab.engine.missing_grads import check_backend_keeps_sign
-from shardlab.engine.units import find_unit_modules, group_params
+from shardlab.engine.units import (
+    broadcast_untrained_state,
+    check_same_model_on_every_rank,
+    find_unit_modules,
+    group_params,
+)
 
 
 class TrainingState(Enum):
@@ -91,8 +92,8 @@ class Engine:
         groups = group_params(model, find_unit_modules(model, units))
         # mixed precision: params (and forward, backward) in param_dtype, masters in their own
         self.mixed = param_dtype not in (None, groups[0][2][0].dtype)
-        self._check_same_model_on_every_rank(groups)
-        self._broadcast_untrained_state()
+        check_same_model_on_every_rank(groups, self.world_size)
+        broadcast_untrained_state(model)
         self.units: list[FlatUnit] = []
         for index, (name, module, params) in enumerate(groups):
             unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size, index=index)
@@ -122,6 +123,17 @@ class Engine:
             unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
 
     @property
+    def state(self) -> TrainingState:
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainingState) -> None:
+        """The one place the state changes; the ledger files collectives under it (idle keeps the last)."""
+        self._state = state
+        if state is not TrainingState.IDLE:
+            events.set_phase(state.value)
+
+    @property
     def params_hold_grads(self) -> bool:
         """After backward, each ``p.grad`` is what an optimizer over ``model.parameters()`` must step."""
         return self.shards_params or self.grads_in_params
@@ -139,29 +151,8 @@ class Engine:
     def after_step(self, unit: FlatUnit) -> None:
         raise NotImplementedError
 
-    # -- start: one model on every rank -----------------------------------------------------
-    def _check_same_model_on_every_rank(self, groups) -> None:
-        device = groups[0][2][0].device  # NCCL only moves tensors on the GPU
-        mine = torch.tensor([len(groups), sum(p.numel() for _, _, ps in groups for p in ps)], device=device)
-        everyone = torch.empty(2 * self.world_size, dtype=mine.dtype, device=device)
-        comm.all_gather(everyone, mine)
-        if not torch.equal(everyone.view(-1, 2), mine.expand(self.world_size, 2)):
-            raise ValueError(
-                "ranks hold different models (units, trainable elements per rank: "
-                f"{everyone.view(-1, 2).tolist()}); build the same model on every rank")
-
-    def _broadcast_untrained_state(self) -> None:
-        """Frozen parameters and buffers are not sharded; every rank takes rank 0's copy."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if not p.requires_grad:
-                    comm.broadcast(p.data)
-            for b in self.model.buffers():
-                comm.broadcast(b)
-
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
-        events.set_phase("forward")
         self.state = TrainingState.FORWARD
         self.forward_start()
         if self.mixed:  # cast floating-point inputs to the compute dtype
@@ -194,7 +185,6 @@ class Engine:
     def _start_backward(self) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
-            events.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_grad_ready(self, unit: FlatUnit) -> None:

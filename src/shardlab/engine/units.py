@@ -1,4 +1,4 @@
-"""Which submodules are units, and which unit owns each parameter.
+"""Which submodules are units, which unit owns each parameter, and one model on every rank.
 
 A *unit* is what a stage communicates as one buffer, and what stage 3 gathers and frees as one
 (FSDP2 calls it an ``FSDPParamGroup``, DDP a bucket). The default rule: each child of every
@@ -9,8 +9,11 @@ so its recompute happens inside the unit's gather.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from shardlab.engine import comm
 
 
 def find_unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
@@ -81,3 +84,25 @@ def checkpoint_units(model: nn.Module, modules=None) -> nn.Module:
         inner = m.forward
         m.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
     return model
+
+
+def check_same_model_on_every_rank(groups, world_size: int) -> None:
+    """Every rank must build the same units with the same trainable sizes: one all-gather says."""
+    device = groups[0][2][0].device  # NCCL only moves tensors on the GPU
+    mine = torch.tensor([len(groups), sum(p.numel() for _, _, ps in groups for p in ps)], device=device)
+    everyone = torch.empty(2 * world_size, dtype=mine.dtype, device=device)
+    comm.all_gather(everyone, mine)
+    if not torch.equal(everyone.view(-1, 2), mine.expand(world_size, 2)):
+        raise ValueError(
+            "ranks hold different models (units, trainable elements per rank: "
+            f"{everyone.view(-1, 2).tolist()}); build the same model on every rank")
+
+
+@torch.no_grad()
+def broadcast_untrained_state(model: nn.Module) -> None:
+    """Frozen parameters and buffers are not sharded; every rank takes rank 0's copy."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            comm.broadcast(p.data)
+    for b in model.buffers():
+        comm.broadcast(b)

@@ -189,7 +189,7 @@ class FSDP(ZeRO2):
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
         """The gradient of the unit's output has arrived: its backward is next, gather it."""
-        events.set_phase("backward")
+        self._start_backward()  # (normally started already, by the root's output)
         if self.held_backward:  # every unit is gathered already (a retained graph's second
             unit.gather()        # backward: in autograd's order, the same on every rank)
         else:
