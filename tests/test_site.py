@@ -96,9 +96,9 @@ def open_page(browser, path: str, shot: str | None = None):
 
 def quiz_texts() -> list[str]:
     """What a quiz shows only after an answer: the explanations, from the package's banks."""
-    from shardlab.course import quiz
+    from shardlab.course import quiz_bank
 
-    return [q.explanation for q in quiz.all_questions().values()]
+    return [q.explanation for q in quiz_bank.all_questions().values()]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
