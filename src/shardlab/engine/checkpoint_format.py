@@ -136,12 +136,23 @@ def jsonable(value):
     return repr(value)
 
 
-def dumps(meta: dict) -> str:
-    """JSON to read with ``cat``: small lists and flat objects (a parameter, the files) on one line."""
-    text = json.dumps(meta, indent=1)
-    one_line = lambda m: m[0][0] + re.sub(r"\n\s*", " ", m[0][1:-1]).strip() + m[0][-1]  # noqa: E731
-    short = re.sub(r"\{[^{}]*\}", one_line, re.sub(r"\[[^\[\]{}]*\]", one_line, text))
-    return short if json.loads(short) == meta else text  # (a bracket inside a string: keep it plain)
+def dumps(meta: dict, width: int = 240) -> str:
+    """JSON to read with ``cat``: each object or list that fits in ``width`` characters (a
+    parameter with its state, a param group, the files) on one line."""
+    short: list[str] = []
+
+    def fold(value):
+        if isinstance(value, (dict, list)) and value is not meta:
+            flat = json.dumps(value)
+            if len(flat) <= width:
+                short.append(flat)
+                return f"\0{len(short) - 1}"  # a placeholder, replaced below
+        if isinstance(value, dict):
+            return {k: fold(v) for k, v in value.items()}
+        return [fold(v) for v in value] if isinstance(value, list) else value
+
+    text = re.sub(r'"\\u0000(\d+)"', lambda m: short[int(m[1])], json.dumps(fold(meta), indent=1))
+    return text if json.loads(text) == meta else json.dumps(meta, indent=1)  # (a "\0" in a string)
 
 
 def describe_units(model: nn.Module, engine, kinds: dict, scalars: dict) -> list[dict]:
