@@ -2,11 +2,13 @@
 
 The rules are checked over every bank present in the package (banks are written on several
 branches): exactly the right answers marked, every distractor with its feedback, unique ids,
-numeric answers recomputed from memory_math, and the seed's two check-yourself questions word
-for word in the notebook that teaches each.
+numeric answers recomputed from their source, the course's two check-yourself questions word
+for word in the notebook that teaches each, enough prediction and scaling questions, and no word
+meant for the course's authors ("seed", "reference notes") in any learner-facing text.
 """
 
 import json
+import re
 
 import pytest
 
@@ -14,7 +16,7 @@ from shardlab.course import quiz
 
 BANKS = sorted(quiz.bank_files())
 EVERY = [q for name in BANKS for q in quiz._load(name)[0]]
-SEED = {  # the seed's check-yourself questions, word for word, with the seed's answer
+CHECK_YOURSELF = {  # the course's two check-yourself questions, word for word, with their answers
     "Which state does ZeRO-1 shard?": ("03", "Only the optimizer state."),
     "Why does FSDP use more communication than DDP?": (
         "04", "It gathers the full weights for each unit during forward and backward, instead of "
@@ -72,9 +74,9 @@ def test_ids_are_unique_and_named_after_their_bank():
 
 
 @pytest.mark.parametrize("name", [b for b in BANKS if b != "final"])
-def test_each_notebook_has_three_questions_beyond_the_seed(name):
+def test_each_notebook_has_three_questions_beyond_check_yourself(name):
     qs = quiz.questions(name)
-    assert sum(not q.seed for q in qs) >= 3
+    assert sum(not q.check_yourself for q in qs) >= 3
 
 
 def test_banks_01_to_04_cover_the_course():
@@ -83,14 +85,26 @@ def test_banks_01_to_04_cover_the_course():
     assert sum(len(quiz.questions(b)) for b in ("01", "02", "03", "04")) >= 16
 
 
-@pytest.mark.parametrize("text", sorted(SEED))
-def test_seed_question_word_for_word_in_its_notebook(text):
-    home, seed_answer = SEED[text]
-    marked = [q for q in EVERY if q.seed]
-    assert all(q.question in SEED for q in marked), "a question marked seed must quote the seed exactly"
+@pytest.mark.parametrize("text", sorted(CHECK_YOURSELF))
+def test_check_yourself_question_word_for_word_in_its_notebook(text):
+    home, answer = CHECK_YOURSELF[text]
+    marked = [q for q in EVERY if q.check_yourself]
+    assert all(q.question in CHECK_YOURSELF for q in marked), "a check_yourself question must quote it exactly"
     found = [q for q in quiz.questions(home) if q.question == text]
-    assert len(found) == 1 and found[0].seed, f"{text!r} must be in bank {home}, marked seed"
-    assert seed_answer in found[0].explanation, "the seed's answer is the explanation"
+    assert len(found) == 1 and found[0].check_yourself, f"{text!r} must be in bank {home}, marked check_yourself"
+    assert answer in found[0].explanation, "the answer is the explanation"
+
+
+def test_banks_ask_for_predictions_and_scaling():
+    predictions = [q.id for q in EVERY if q.prediction]
+    assert len(predictions) >= 4, predictions
+
+
+@pytest.mark.parametrize("name", BANKS)
+def test_no_authors_words_in_a_bank(name):
+    raw = quiz.bank_files()[name].read_text(encoding="utf-8")
+    assert not re.search(r"\bseed\b", raw, re.I), f"{name}.json says 'seed': cite docs/cheatsheet.md, a paper or an issue"
+    assert "reference notes" not in raw.lower(), f"{name}.json says 'reference notes'"
 
 
 @pytest.mark.parametrize("q", [q for q in EVERY if q.kind == "numeric"], ids=lambda q: q.id)
@@ -100,6 +114,14 @@ def test_numeric_answers_agree_with_memory_math(q):
     if q.source is None:
         pytest.skip("no memory_math source")
     assert abs(quiz.recompute(q.source, q.unit) - q.answer) <= q.tolerance
+
+
+def test_recompute_reads_a_parallelism_math_source():
+    src = {"module": "parallelism_math", "fn": "pipeline_parallel", "args": [8, 32], "attr": "extra", "key": "bubble",
+           "shape": {"params": 7e9, "layers": 32, "hidden": 4096, "seq": 4096, "batch": 64}}
+    assert quiz.recompute(src) == 7 / 39
+    with pytest.raises(ValueError, match="use one of"):
+        quiz.recompute({"module": "os", "fn": "getcwd"})
 
 
 def test_recompute_reads_a_source():

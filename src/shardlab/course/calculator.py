@@ -14,8 +14,9 @@ the GPU line is slightly conservative.
 
 Activations are optional: give ``activations=dict(layers=32, hidden=4096, seq_len=4096,
 micro_batch=1, checkpointing=False)`` (``vocab`` too, for the logits the loss keeps). They are
-per GPU and no ZeRO stage shards them, and they do not change with the parameter count (the
-"largest model that fits" keeps them fixed).
+per GPU and no ZeRO stage shards them. They grow with depth and width (16·L·b·T·d), so they
+do not shrink as the GPU count grows; the "largest model that fits" search holds the given
+activation shape fixed while it varies the parameter count.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ answer is not one scroll away. In a notebook::
 
     from shardlab.course import quiz
     quiz.show("03")                        # one widget per question: choices, Check, feedback
-    quiz.answer("03.zero1_shards", "b")    # the text fallback: prints feedback, returns True/False
+    quiz.answer("03.comm_2psi", "d")       # the text fallback: prints feedback, returns True/False
     quiz.final()                           # the final quiz, with a running score
 
 A question is ``single`` (one key), ``multiple`` (a list of keys) or ``numeric`` (a number with
@@ -17,7 +17,9 @@ recomputes it (see :func:`recompute`)::
     "source": {"fn": "model_state_bytes", "args": [7e9, 8], "key": "zero3", "divide": 1e9}
 
 ``kwargs`` (a dict) may follow ``args``; ``key`` indexes a dict result (a list of keys for a
-nested one); ``divide`` defaults to the unit's size (GB 1e9, GiB 2^30, MB 1e6, bytes 1).
+nested one); ``divide`` defaults to the unit's size (GB 1e9, GiB 2^30, MB 1e6, bytes 1). A source
+may name ``"module": "parallelism_math"`` instead, with a ``shape`` (the fields of its
+``Shape``, passed first) and an ``attr`` of the result to read before ``key``.
 
 Widgets are used when ipywidgets and a Jupyter kernel are both there; ``SHARDLAB_NO_WIDGETS=1``
 (or ``quiz.show(..., widgets=False)``) forces plain text.
@@ -48,7 +50,8 @@ class Question:
     explanation: str = ""
     tolerance: float = 0.0
     unit: str = ""
-    seed: bool = False
+    check_yourself: bool = False  # one of the course's two check-yourself questions, word for word
+    prediction: bool = False  # asks for a number or a trend before the learner has computed it
     source: dict | None = None
 
     def right_keys(self) -> set:
@@ -256,13 +259,22 @@ def final(widgets: bool | None = None):
 
 
 def recompute(source: dict, unit: str = "") -> float:
-    """The number a ``source`` names, from memory_math, in the question's unit."""
-    from shardlab.instruments import memory_math
+    """The number a ``source`` names, from memory_math (or parallelism_math), in the question's unit."""
+    from shardlab.instruments import memory_math, parallelism_math
 
-    fn = getattr(memory_math, source["fn"], None)
+    modules = {"memory_math": memory_math, "parallelism_math": parallelism_math}
+    name = source.get("module", "memory_math")
+    if name not in modules:
+        raise ValueError(f"source names module {name!r}; use one of {sorted(modules)}")
+    fn = getattr(modules[name], source["fn"], None)
     if not callable(fn):
-        raise ValueError(f"source names {source['fn']!r}, which memory_math does not have")
-    value = fn(*source.get("args", []), **source.get("kwargs", {}))
+        raise ValueError(f"source names {source['fn']!r}, which {name} does not have")
+    args = list(source.get("args", []))
+    if "shape" in source:
+        args.insert(0, parallelism_math.Shape(**source["shape"]))
+    value = fn(*args, **source.get("kwargs", {}))
+    if "attr" in source:
+        value = getattr(value, source["attr"])
     keys = source.get("key", [])
     for k in [keys] if isinstance(keys, str) else keys:
         value = value[k]

@@ -201,8 +201,9 @@ class Engine:
         self._start_backward()
         if unit.reduced:
             raise RuntimeError(
-                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 each unit "
-                "must run its forward at most once, in registration order (ranks may skip units)")
+                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 a unit that "
+                "runs twice in one forward must do so on every rank (ranks may skip a unit, not repeat "
+                "it unevenly); give the reused module its own unit on every rank, or use stage 2")
         unit.grads_to_come -= 1
         if unit.grads_to_come == 0:
             events.emit("backward_done", unit=unit.name)
@@ -252,7 +253,7 @@ class Engine:
         if self.sync:
             self._hand_out_grads()
         for unit in self.units:  # a second backward (retain_graph) reduces again
-            unit.grads_to_come, unit.reduced = len(unit.params), False
+            unit.grads_to_come, unit.reduced = unit.grads_per_backward, False
         self._next_reduction = 0
         self.state = TrainingState.IDLE
 
@@ -284,7 +285,15 @@ class Engine:
         for unit in self.units:
             self.after_step(unit)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients, or (``set_to_none=False``) zero them in place as torch does: a
+        param that had a gradient then steps with zeros, one that had none (unused) stays so."""
         for unit in self.units:
-            unit.master.grad = None
-            unit.set_param_grads(None)
+            grad = unit.master.grad
+            if set_to_none or grad is None:
+                unit.master.grad = None
+                unit.set_param_grads(None)
+                continue
+            for i, (a, b) in enumerate(unit.ranges(grad)):
+                if i not in unit.unused:
+                    grad[a:b].zero_()

@@ -88,9 +88,13 @@ class FlatUnit:
         self.master: nn.Parameter | None = None  # what the optimizer steps: set by the stage
         self.shard_views: list[torch.Tensor] | None = None  # stage 3: what params show at rest
         self.grads_to_come = len(params)  # countdown of gradients still to come in this backward
+        #: per param, the gradient accumulators its uses in this graph hold (stage 3 in mixed
+        #: precision, see ``FSDP.count_accumulators``); each fires the post-accumulate hook once
+        self.accumulators: list[dict[int, object]] = [{} for _ in params]
         self.reduced = False  # this backward's reduction is issued
         self.forward_calls = 0  # forwards run in this step (stage 3 counts them)
         self.unused: list[int] = []  # params that no rank gave a gradient in the last backward
+        self.no_grad_here: set[int] = set()  # params this rank gave no gradient in the last packing
         self._gathering: comm.Pending | None = None
 
     # -- layout ---------------------------------------------------------------------------
@@ -187,13 +191,16 @@ class FlatUnit:
         gradient the user dropped (``zero_grad`` of their own optimizer) is dropped in the master.
         """
         grad = self.master.grad
-        for p, piece in zip(self.params, self.pieces(grad) if grad is not None else ()):
+        pieces = self.pieces(grad) if grad is not None else []
+        dropped = 0
+        for p, piece in zip(self.params, pieces):
             if p.grad is None and piece.numel():
                 piece.fill_(-0.0)  # dropped (the user's zero_grad, or unused): "no gradient"
+                dropped += 1
             elif _is_view_of(p.grad, piece):
                 p.grad = None  # our shard view: the master keeps it
-        if grad is not None and all(p.grad is None for p in self.params) and not grad.any():
-            self.master.grad = None
+        if grad is not None and dropped == sum(piece.numel() > 0 for piece in pieces):
+            self.master.grad = None  # every piece dropped: as if zero_grad(set_to_none=True)
         for p, view in zip(self.params, self._full_views):
             p.data = view
 
@@ -207,15 +214,22 @@ class FlatUnit:
         """The all-gather in flight, if any (read-only)."""
         return self._gathering
 
+    @property
+    def grads_per_backward(self) -> int:
+        """How many post-accumulate hook calls a backward brings: one per param and accumulator."""
+        return sum(max(1, len(seen)) for seen in self.accumulators)
+
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """The unit's gradients as one padded flat buffer; ``-0.0`` where a parameter got none."""
         flat = torch.empty(self.padded_numel, dtype=dtype, device=self.full.device)
         flat[self.numel :].zero_()  # the padding
         shown = self.master_grad_pieces()  # at rest a grad may show the master's: not new here
-        for g, p, piece in zip(self.views(flat), self.params, shown):
+        self.no_grad_here = set()
+        for i, (g, p, piece) in enumerate(zip(self.views(flat), self.params, shown)):
             if p.grad is None or _is_view_of(p.grad, piece):
                 g.fill_(-0.0)  # "no gradient here": only a sum of -0.0s is -0.0
+                self.no_grad_here.add(i)
             else:
                 torch.add(p.grad, 0.0, out=g)  # a copy that turns -0.0 into +0.0
         return flat
@@ -239,9 +253,12 @@ class FlatUnit:
         """Set ``unused`` from the reduced ``grad`` (this rank's part); return what the optimizer
         should step: ``grad``, or None when every param with elements here went unused."""
         self.unused = self.find_unused(grad) if grad is not None else []
-        if self.unused and len(self.unused) == sum(b > a for a, b in self.ranges(grad)):
-            return None
-        return grad
+        all_unused = bool(self.unused) and len(self.unused) == sum(b > a for a, b in self.ranges(grad))
+        # A piece with no elements here cannot say whether another rank used its param: it
+        # counts as unused (grad None) only if this rank gave it no gradient either.
+        self.unused += [i for i, (a, b) in enumerate(self.ranges(grad)) if a == b and i in self.no_grad_here] \
+            if grad is not None else []
+        return None if all_unused else grad
 
     def master_grad_pieces(self) -> list[torch.Tensor | None]:
         """Stage 3: each param's piece of the master's gradient (what its ``grad`` shows at rest)."""

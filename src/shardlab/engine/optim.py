@@ -45,7 +45,7 @@ class StageOptimizer(PerParamOptimizer):
         events.emit("step_end")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        self.engine.zero_grad(set_to_none)
 
 
 def guard(engine: Engine) -> None:

@@ -23,8 +23,14 @@ Gathers are collectives too, and which units a rank runs can depend on its data 
 token chose). So every rank walks the units in one fixed order, forward (registration order)
 and backward (its reverse, a nested unit after the one around it): on reaching a unit it first
 does, for each unit it skipped, what the ranks that ran it do (gather, free; in backward the
-skipped unit's reduction starts with ``-0.0``). The price of that rule, as in FSDP: each unit runs
-its forward at most once per step and in registration order, unless every rank does the same.
+skipped unit's reduction starts with ``-0.0``). The price of that rule, as in FSDP: a unit that
+runs twice in one forward (weights reused) must do so on every rank.
+
+Loops people write all train like one process (``tests/test_loop_shapes.py``): a backward per
+micro-batch with or without ``no_sync``, a validation forward in between, checkpointing, and
+several forwards before one backward (two inputs, one summed loss). That last shape is *held*
+(:attr:`FSDP.holding`): from its second forward every unit stays gathered, and the reductions
+wait for the end of backward.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ class FSDP(ZeRO2):
         self._position = {"forward": {u: i for i, u in enumerate(self.forward_order)},
                           "backward": {u: i for i, u in enumerate(self.backward_order)}}
         self._next = 0  # how far this phase's walk has come
-        #: root forwards run with grad enabled since the last backward (see ``holding``)
-        self._forwards_waiting = 0
+        #: forwards with autograd on since the first forward after the last backward: the
+        #: graph the next backward walks (a retained graph is walked again with the same count)
+        self._window_forwards, self._window_closed = 0, False
         for unit in self.units:
             unit.shard_views = unit.pieces(unit.master.detach())
             unit.free()  # at rest: the master shard only
@@ -111,7 +118,12 @@ class FSDP(ZeRO2):
         order at its end, so all ranks still issue the same collectives. The price: the
         weight memory of ``reshard_after_forward=False`` and no overlap, for this shape only.
         """
-        return self._forwards_waiting > 0
+        return self._window_forwards > 0 and not self._window_closed
+
+    @property
+    def held_backward(self) -> bool:
+        """This backward walks a graph of several forwards: reduce when it ends (see ``holding``)."""
+        return self._window_forwards > 1
 
     def _free_after_forward(self, unit: FlatUnit) -> None:
         if self.holding:
@@ -120,7 +132,26 @@ class FSDP(ZeRO2):
             unit.free()  # (no grad: no backward will come, give everything back)
 
     # -- forward ----------------------------------------------------------------------------
+    def count_accumulators(self, unit: FlatUnit) -> None:
+        """Mixed precision: note each param's gradient accumulator in this use of the unit.
+
+        Why: a param's dtype flips between bf16 (gathered) and its fp32 piece (at rest), and
+        torch drops a param's accumulator when its dtype changes. A unit freed between two uses
+        in one graph (called twice, or two forwards) so has two accumulators, and each calls
+        the post-accumulate hook: the countdown must expect both, or it reduces too early.
+        """
+        for p, seen in zip(unit.params, unit.accumulators):
+            node = p.view_as(p).grad_fn.next_functions[0][0]  # its AccumulateGrad, as FSDP1 finds it
+            if id(node) not in seen:
+                unit.grads_to_come += 1 if seen else 0
+                seen[id(node)] = node  # (held: the id stays unique while the graph lives)
+
     def pre_forward(self, unit: FlatUnit) -> None:
+        if self._window_closed and torch.is_grad_enabled():  # a new graph: forget the last one's
+            self._window_forwards, self._window_closed = 0, False
+            for u in self.units:
+                u.accumulators = [{} for _ in u.params]
+                u.grads_to_come = len(u.params)
         if self.state is TrainingState.FORWARD:
             unit.forward_calls += 1
             self._walk_to("forward", unit, skipped=self._free_after_forward)
@@ -130,6 +161,8 @@ class FSDP(ZeRO2):
 
     def post_forward(self, unit: FlatUnit, output) -> None:
         events.emit("forward_done", unit=unit.name)
+        if self.mixed and torch.is_grad_enabled() and self.state is TrainingState.FORWARD:
+            self.count_accumulators(unit)
         if self.state is not TrainingState.BACKWARD:  # (in backward: a recompute, keep it)
             self._free_after_forward(unit)
         if torch.is_grad_enabled():
@@ -142,27 +175,29 @@ class FSDP(ZeRO2):
             self._free_after_forward(unit)
         self._next = 0
         if torch.is_grad_enabled():
-            self._forwards_waiting += 1
+            self._window_forwards += 1
 
     # -- backward ---------------------------------------------------------------------------
     def pre_backward(self, unit: FlatUnit) -> None:
         """The gradient of the unit's output has arrived: its backward is next, gather it."""
         events.set_phase("backward")
-        if self._forwards_waiting < 2:  # (holding: every unit is gathered already)
+        if self.held_backward:  # every unit is gathered already (a retained graph's second
+            unit.gather()        # backward: in autograd's order, the same on every rank)
+        else:
             self._walk_to("backward", unit, skipped=FlatUnit.free)
         events.emit("backward", unit=unit.name)
 
     def post_backward(self, unit: FlatUnit) -> None:
-        if self._forwards_waiting < 2:  # (holding: reduce when backward ends)
+        if not self.held_backward:  # (held: reduce when backward ends)
             super().post_backward(unit)  # reduce-scatter the gradients (async)
         unit.free()
 
     def backward_done(self) -> None:
-        if self._forwards_waiting < 2:
+        if not self.held_backward:
             for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
                 self._enter("backward", unit)
                 unit.free()
         self._next = 0
-        self._forwards_waiting = 0
+        self._window_closed = True
         for unit in self.units:  # e.g. a prefetched unit that was not used after all
             unit.free()

@@ -1,0 +1,97 @@
+"""What the course says to a learner, read as text: no authors' words, no answer given away,
+and a prediction asked for before each measurement it is about.
+
+- No "seed" and no "reference notes" in a notebook's markdown: the course cites its own
+  docs/cheatsheet.md, a paper or a PyTorch issue (the quiz banks are checked in test_quiz.py).
+- No notebook tells a quiz's correct answer: no ``quiz.answer(id, right_key)`` in any cell, and no
+  right choice's text (long enough to be an answer, not a word) in any markdown cell.
+- Notebooks 00-05 and 07 each ask for at least two predictions before the cell that measures them.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardlab.course import quiz
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PREDICTING = ["00", "01", "02", "03", "04", "05", "07"]
+ANSWER_CALL = re.compile(r"""quiz\.answer\(\s*["']([\w.]+)["']\s*,\s*(\[[^\]]*\]|["'][^"']*["']|[-\d.e]+)""")
+
+
+def cells(path: Path, kind: str | None = None) -> list[str]:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if kind is None or c["cell_type"] == kind]
+
+
+def plain(text: str) -> str:
+    """Lower case, markdown emphasis and line breaks gone, one space between words."""
+    return " ".join(re.sub(r"[*_`>]", "", text).lower().split()).rstrip(".")
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 8
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_authors_words_in_markdown(path):
+    for text in cells(path, "markdown"):
+        assert not re.search(r"\bseed\b", text, re.I), f"{path.name} says 'seed': {text[:120]!r}"
+        assert "reference notes" not in text.lower(), f"{path.name} says 'reference notes'"
+
+
+def right_answer(call_id: str, given: str):
+    """Whether ``quiz.answer(call_id, given)`` as written in a cell would be marked right."""
+    every = quiz.all_questions()
+    if call_id not in every:
+        return False
+    q = every[call_id]
+    if q.kind == "numeric":
+        try:
+            return abs(float(given) - q.answer) <= q.tolerance
+        except ValueError:
+            return False
+    keys = re.findall(r"\w+", given.lower())
+    return set(keys) == q.right_keys() if q.kind == "multiple" else keys == [q.answer]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_notebook_tells_a_quiz_answer(path):
+    texts = cells(path)
+    for text in texts:
+        for call_id, given in ANSWER_CALL.findall(text):
+            assert not right_answer(call_id, given), f"{path.name} tells the answer: quiz.answer({call_id!r}, {given})"
+    markdown = plain(" ".join(cells(path, "markdown")))
+    for q in quiz.all_questions().values():
+        if q.kind == "numeric":
+            continue
+        for key in q.right_keys():
+            answer = plain(q.choices[key])
+            if len(answer) >= 40:  # an answer, not a word like "ZeRO-2" that the text must use
+                assert answer not in markdown, f"{path.name} tells {q.id}'s answer: {q.choices[key]!r}"
+
+
+def test_the_check_has_teeth(tmp_path):
+    q = quiz.get("04.more_comm")
+    told = tmp_path / "told.ipynb"
+    told.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": [f"In short: {q.choices[q.answer]}."]},
+        {"cell_type": "markdown", "source": [f'Answer with `quiz.answer("{q.id}", "{q.answer}")`.']}]}))
+    with pytest.raises(AssertionError, match="tells"):
+        test_no_notebook_tells_a_quiz_answer(told)
+    assert right_answer(q.id, f'"{q.answer}"') and not right_answer(q.id, '"zz"')
+
+
+@pytest.mark.parametrize("number", PREDICTING)
+def test_two_predictions_before_the_measurement(number):
+    (path,) = [p for p in NOTEBOOKS if p.name.startswith(number + "_")]
+    code = cells(path, "code")
+    asked = [i for i, text in enumerate(code) if re.match(r"predicted_\w+ = ", text.strip())]
+    assert len(asked) >= 2, f"{path.name} asks for {len(asked)} predictions"
+    for i in asked:
+        name = code[i].split("=")[0].strip()
+        compared = [j for j, text in enumerate(code) if f"predict.compare({name}" in text]
+        assert compared and compared[0] > i, f"{path.name}: {name} is never compared with a measurement after it"
