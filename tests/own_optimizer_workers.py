@@ -88,5 +88,6 @@ def memory_with_each_optimizer() -> tuple[dict, dict, dict]:
     units = engine_of(model).units
     layout = dict(real=sum(b - a for u in units for a, b in u.ranges(u.master)),
                   shard=sum(u.shard_numel for u in units), units=len(units),
-                  pieces=sum(b > a for u in units for a, b in u.ranges(u.master)))
+                  pieces=sum(b > a for u in units for a, b in u.ranges(u.master)),
+                  empty=sum(b == a for u in units for a, b in u.ranges(u.master)))
     return reports[0], reports[1], layout
