@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 TORCH       ?= torch>=2.9
 TORCH_INDEX ?=
 
-.PHONY: lab test lint figures clean
+.PHONY: lab test lint figures site clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,11 @@ lab: $(VENV)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --ServerApp.root_dir="$(CURDIR)" \
 		--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
+# What runs under nbval (`make test NBVAL=labs` skips the notebooks, e.g. right after `make site`).
+NBVAL ?= notebooks labs
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests notebooks labs --nbval-lax --nbval-cell-timeout=120
+	$(BIN)/python -m pytest tests $(NBVAL) --nbval-lax --nbval-cell-timeout=120
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -43,5 +46,14 @@ lint: $(VENV)/.installed
 figures: $(VENV)/.installed
 	$(BIN)/python -m shardlab figures
 
+# The course as a static website in _build/html (docs/site.md): every notebook executed once
+# (reused while nothing it depends on changed), the labs' student versions, docs, workshop kit.
+$(VENV)/.site-installed: $(VENV)/.installed
+	$(BIN)/pip install -e ".[dev,site]"
+	touch $@
+
+site: $(VENV)/.site-installed
+	$(BIN)/python website/build.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache test-artifacts _build

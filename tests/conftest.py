@@ -1,17 +1,12 @@
-"""Shared test helpers: the slow-down factor for every timeout, and the parity summary.
+"""pytest's hooks and fixtures for tests/: the slow-down factor applied to pytest's own limits,
+and the parity summary.
 
-Timeouts and time limits in tests are written for a quiet 2-core machine and multiplied by
-one factor, so that a loaded machine (a CI runner, another suite beside this one) gets more
-time without weakening what a test asserts::
-
-    SHARDLAB_TEST_SLOWDOWN=3 make test      # default 1; 2 when CI=true
-
-Use :func:`slowdown` (``from conftest import slowdown``) or the ``slowdown`` fixture.
+The shared helpers live in the plain module ``support.py`` (``from support import slowdown``).
+``conftest`` re-exports them for one more round, for files not yet moved over.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,32 +14,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so spawned ranks can import tests/workers.py
 
+from support import SLOWDOWN, slowdown  # noqa: E402  (re-exported for `from conftest import`, one round)
 
-def _factor() -> float:
-    raw = os.environ.get("SHARDLAB_TEST_SLOWDOWN", "").strip()
-    if not raw:
-        return 2.0 if os.environ.get("CI", "").lower() == "true" else 1.0
-    try:
-        factor = float(raw)
-    except ValueError:
-        raise pytest.UsageError(f"SHARDLAB_TEST_SLOWDOWN must be a number >= 1, got {raw!r}") from None
-    if factor < 1:
-        raise pytest.UsageError(f"SHARDLAB_TEST_SLOWDOWN must be >= 1 (it only adds time), got {raw!r}")
-    return factor
-
-
-SLOWDOWN = _factor()
-
-
-def slowdown(seconds: float) -> float:
-    """``seconds`` on a quiet machine, scaled by SHARDLAB_TEST_SLOWDOWN for this run."""
-    return seconds * SLOWDOWN
-
-
-@pytest.fixture(name="slowdown")
-def slowdown_fixture():
-    """The :func:`slowdown` function, for tests that prefer a fixture to an import."""
-    return slowdown
+__all__ = ["SLOWDOWN", "slowdown"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its setting

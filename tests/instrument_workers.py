@@ -110,7 +110,7 @@ def measured(world_size: int) -> list[list[dict]]:
     configs = [dict(stage=s) for s in range(4)]
     if world_size == 2:
         configs += [dict(stage=3, prefetch=False)] + [dict(stage=s, checkpointing=True) for s in range(4)]
-    from conftest import slowdown  # in the parent only (ranks import this module too)
+    from support import slowdown  # in the parent only (ranks import this module too)
 
     return run_ranks(measure_all, world_size, configs, timeout=slowdown(120))
 
@@ -127,3 +127,17 @@ def saved_bytes_single_process(checkpointing: bool) -> dict:
     at_end_of_forward = act.bytes
     loss.backward()
     return dict(forward=at_end_of_forward, peak=act.peak, after_backward=act.bytes)
+
+
+def bookkeeping_collectives() -> dict:
+    """comm's bookkeeping on one rank: the slowest rank's number, a barrier (no event from
+    either), then :func:`shardlab.course.measure.collective_times` of a small buffer."""
+    from shardlab.course import measure
+    from shardlab.engine import comm, events
+
+    rank, seen = dist.get_rank(), []
+    with events.listen(lambda name, fields: seen.append(name)):
+        worst = comm.all_reduce_max(torch.tensor([float(rank), -float(rank)]))
+        comm.barrier()
+    return dict(worst=worst.tolist(), events=seen, ready=comm.dist_ready(),
+                rows=measure.collective_times(sizes_mb=(0.01,), iters=1))

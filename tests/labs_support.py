@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import SLOWDOWN
+from support import SLOWDOWN
+
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.checking import lab_tasks, run_on_fresh_ranks
 

@@ -89,5 +89,5 @@ def memory_with_each_optimizer() -> tuple[dict, dict, dict]:
     layout = dict(real=sum(b - a for u in units for a, b in u.ranges(u.master)),
                   shard=sum(u.shard_numel for u in units), units=len(units),
                   pieces=sum(b > a for u in units for a, b in u.ranges(u.master)),
-                  empty=sum(b == a for u in units for a, b in u.ranges(u.master)))
+                  params=sum(len(u.params) for u in units))
     return reports[0], reports[1], layout

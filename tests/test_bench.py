@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.bench import configs as bench_configs
 from shardlab.bench import report as bench_report
 from shardlab.bench import run as bench

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from conftest import slowdown
+from support import slowdown
 
 pytestmark = pytest.mark.browser
 

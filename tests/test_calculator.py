@@ -12,6 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from support import slowdown
 from test_memory_math import COLUMNS, TABLE1, printed_as  # the paper's table, as printed
 
 from shardlab.course import calculator as calc
@@ -116,7 +117,9 @@ def test_plot_draws_a_bar_per_stage_and_the_gpu_line():
 
 def test_widget_recomputes_when_the_slider_moves():
     W = pytest.importorskip("ipywidgets")
-    box = calc.calculator_widget(params=7e9, gpus=8, stage="zero3", gpu_memory_gb=80)
+    from shardlab.course import calculator_widgets
+
+    box = calculator_widgets.calculator_widget(params=7e9, gpus=8, stage="zero3", gpu_memory_gb=80)
     controls, verdict, _, table = box.children
     slider = controls.children[0]
     assert isinstance(slider, W.FloatLogSlider)
@@ -129,6 +132,28 @@ def test_widget_recomputes_when_the_slider_moves():
 
 def test_without_widgets_show_prints_the_plain_function(monkeypatch, capsys):
     monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
-    calc.show(params=7e9, gpus=8, stage="zero3", gpu_memory_gb=80)
+    from shardlab.course import calculator_widgets
+
+    calculator_widgets.show(params=7e9, gpus=8, stage="zero3", gpu_memory_gb=80)
     out = capsys.readouterr().out
     assert str(calc.memory_calculator(7e9, 8, stage="zero3")) in out
+
+
+def test_the_package_names_work_on_every_call():
+    """``shardlab.course.calculator_widget`` is a function on the second call too (issue 22).
+
+    It once shared its name with a submodule: the first call imported the submodule, whose
+    import replaced the package attribute, and the second call raised ``TypeError``. A fresh
+    interpreter, so that no other test has imported the modules first.
+    """
+    pytest.importorskip("ipywidgets")
+    code = ("import shardlab.course as c\n"
+            "for _ in range(2):\n"
+            "    box = c.calculator_widget(params=7e9, gpus=8)\n"
+            "    assert type(box).__name__ == 'VBox', type(box)\n"
+            "    assert c.memory_calculator(7e9, 8).stages['zero3'].total == 14e9\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=slowdown(120),
+                         env={**os.environ, "MPLBACKEND": "Agg"})
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stderr[-2000:]
+

@@ -12,8 +12,8 @@ import json
 import checkpoint_workers
 import pytest
 import torch
+from support import SLOWDOWN
 
-from conftest import SLOWDOWN
 from shardlab.launch import RankError, run_ranks
 from shardlab.models import gpt
 

@@ -17,9 +17,9 @@ import time
 
 import psutil
 import pytest
+from support import slowdown
 
 import shardlab
-from conftest import slowdown
 from shardlab.cluster import ClusterError, CollectiveTimeout, RankTimeout
 
 _cells = itertools.count()

@@ -39,3 +39,19 @@ def test_data_is_this_ranks_rows_of_the_same_global_batches():
     assert len(batches) == 3 and batches[0][0].shape == (2, model.cfg.seq)
     assert torch.equal(batches[0][0], measure.data(model, 2, 1, seed=1)[0][0])  # the same data every call
     assert not torch.equal(batches[0][0], batches[1][0])
+
+
+def test_collective_times_reports_the_slowest_rank_through_comm():
+    """``comm.all_reduce_max`` gives every rank the largest value and emits no event (it is
+    bookkeeping); ``collective_times`` therefore hands every rank the same seconds."""
+    from instrument_workers import bookkeeping_collectives
+    from support import slowdown
+
+    from shardlab.launch import run_ranks
+
+    per_rank = run_ranks(bookkeeping_collectives, 2, timeout=slowdown(90))
+    for r in per_rank:
+        assert r["worst"] == [1.0, 0.0] and r["events"] == [] and r["ready"]
+        assert [row["kind"] for row in r["rows"]] == ["all_gather", "reduce_scatter", "all_reduce"]
+        assert all(row["seconds"] > 0 and row["world_size"] == 2 for row in r["rows"])
+    assert per_rank[0]["rows"] == per_rank[1]["rows"]

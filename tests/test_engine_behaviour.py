@@ -8,8 +8,8 @@ import sys
 import behaviour_workers
 import pytest
 import torch
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.engine.api import MixedPrecision
 from shardlab.launch import run_ranks
 

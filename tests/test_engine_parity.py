@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import workers
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.launch import run_ranks
 
 FP32_TOL = 1e-5

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import slowdown
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts" / "install_torch.py")
@@ -61,6 +62,6 @@ def test_a_gpu_needs_both_the_driver_tool_and_a_device(monkeypatch, smi, devices
 def test_dry_run_here_prints_one_line_and_installs_nothing():
     """This environment has torch: the script says so in one line (as make prints it)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "install_torch.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=slowdown(60))
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("\n") == 1 and "already installed: leaving it alone" in done.stdout

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import SLOWDOWN
 
-from conftest import SLOWDOWN
 from shardlab.course.labs import checking
 from shardlab.course.labs.__main__ import notebook_to_script
 from shardlab.course.labs.generate import BEGIN, STUB, dumps, strip_solution, student_notebook

@@ -4,9 +4,9 @@ import time
 
 import pytest
 import torch
+from support import slowdown
 
 import shardlab
-from conftest import slowdown
 from shardlab import launch
 from shardlab.engine import events
 from shardlab.instruments.link import LINKS, Link, LinkEmulator, emulate_link, link_delay

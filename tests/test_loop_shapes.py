@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import loop_shape_workers as lw
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.launch import run_ranks
 
 FP32_TOL = 1e-6

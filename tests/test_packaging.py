@@ -6,8 +6,7 @@ import re
 from pathlib import Path
 
 import tomllib
-
-from conftest import slowdown
+from support import slowdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ import sys
 import time
 
 import pytest
+from support import slowdown
 
-from conftest import slowdown
 from shardlab.bench import slow_link
 
 SLOW = "0.01:0"  # 10 Mbit/s: ~0.1 s a step for the tiny GPT, ~10x its compute

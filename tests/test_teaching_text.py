@@ -5,7 +5,7 @@ and a prediction asked for before each measurement it is about.
   docs/cheatsheet.md, a paper or a PyTorch issue (the quiz banks are checked in test_quiz.py).
 - No notebook tells a quiz's correct answer: no ``quiz.answer(id, right_key)`` in any cell, and no
   right choice's text (long enough to be an answer, not a word) in any markdown cell.
-- Notebooks 00-05 and 07 each ask for at least two predictions before the cell that measures them.
+- Notebooks 00-05, 07 and 08 each ask for at least two predictions before the cell that measures them.
 """
 
 import json
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.course import quiz
+from shardlab.course import quiz_bank
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-PREDICTING = ["00", "01", "02", "03", "04", "05", "07"]
+PREDICTING = ["00", "01", "02", "03", "04", "05", "07", "08"]
 ANSWER_CALL = re.compile(r"""quiz\.answer\(\s*["']([\w.]+)["']\s*,\s*(\[[^\]]*\]|["'][^"']*["']|[-\d.e]+)""")
 
 
@@ -45,7 +45,7 @@ def test_no_authors_words_in_markdown(path):
 
 def right_answer(call_id: str, given: str):
     """Whether ``quiz.answer(call_id, given)`` as written in a cell would be marked right."""
-    every = quiz.all_questions()
+    every = quiz_bank.all_questions()
     if call_id not in every:
         return False
     q = every[call_id]
@@ -65,7 +65,7 @@ def test_no_notebook_tells_a_quiz_answer(path):
         for call_id, given in ANSWER_CALL.findall(text):
             assert not right_answer(call_id, given), f"{path.name} tells the answer: quiz.answer({call_id!r}, {given})"
     markdown = plain(" ".join(cells(path, "markdown")))
-    for q in quiz.all_questions().values():
+    for q in quiz_bank.all_questions().values():
         if q.kind == "numeric":
             continue
         for key in q.right_keys():
@@ -75,7 +75,7 @@ def test_no_notebook_tells_a_quiz_answer(path):
 
 
 def test_the_check_has_teeth(tmp_path):
-    q = quiz.get("04.more_comm")
+    q = quiz_bank.get("04.more_comm")
     told = tmp_path / "told.ipynb"
     told.write_text(json.dumps({"cells": [
         {"cell_type": "markdown", "source": [f"In short: {q.choices[q.answer]}."]},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from instrument_workers import measured
 
 import shardlab
@@ -67,6 +68,22 @@ def test_trace_without_process_group():
 
 
 def test_trace_events_draw():
+    """The chart shows what the trace holds: a compute and a comm lane per rank, a bar per
+    interval as long as it lasted, a marker per instant, and every kind in the legend."""
+    from matplotlib.patches import Rectangle
+
     from shardlab.instruments.plots import timeline
 
-    timeline(measured(2)[0][3]["events"])
+    evs = measured(2)[0][3]["events"]
+    ax = timeline(evs, time_unit="ms").axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    intervals = [e for e in evs if e["end"] > e["start"]]
+    instants = [e for e in evs if e["end"] <= e["start"]]
+    assert intervals and instants
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert sorted(b.get_width() for b in bars) == pytest.approx(
+        sorted((e["end"] - e["start"]) * 1e3 for e in intervals))
+    markers = [line for line in ax.get_lines() if line.get_linestyle() == "None"]
+    assert len(markers) == len(instants)
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {e["kind"] for e in evs}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch_workers
+from support import slowdown
 from test_engine_parity import FP32_TOL, max_diff
 
-from conftest import slowdown
 from shardlab.launch import run_ranks
 
 PAIRS = [

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import slowdown
+from support import slowdown
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

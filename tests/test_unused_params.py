@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import unused_workers as uw
+from support import slowdown
 
 from shardlab.launch import run_ranks
 
@@ -38,7 +39,7 @@ def _check(configs, results, world_size, parity_log, label=""):
 def test_unused_parameters_match_one_process_and_ranks_agree(world_size, parity_log):
     configs = [dict(case=case, stage=stage, optimizer=opt)
                for case in uw.CASES for stage in range(4) for opt in ("adamw", "sgd")]
-    results = run_ranks(uw.train_many, world_size, configs, timeout=240)
+    results = run_ranks(uw.train_many, world_size, configs, timeout=slowdown(240))
     _check(configs, results, world_size, parity_log)
 
 
@@ -47,7 +48,7 @@ def test_unused_parameters_with_your_own_optimizer_at_stage_3(parity_log):
     optimizer state, so a parameter that skips steps keeps its own AdamW step count."""
     configs = [dict(case=case, stage=3, optimizer=opt, own_optimizer=True)
                for case in uw.CASES for opt in ("adamw", "sgd")]
-    results = run_ranks(uw.train_many, 2, configs, timeout=240)
+    results = run_ranks(uw.train_many, 2, configs, timeout=slowdown(240))
     _check(configs, results, 2, parity_log, label="own optimizer ")
 
 
@@ -59,7 +60,7 @@ def test_a_param_back_from_skipped_steps_in_a_shared_unit_matches_adamw(parity_l
     configs = [dict(case=case, stage=stage, optimizer=opt)
                for case in ("moe-unit-late", "moe-late") for stage in range(4) for opt in ("adamw", "sgd")]
     configs.append(dict(case="spare", stage=2, optimizer="adamw"))
-    results = run_ranks(uw.train_warned, 2, configs, timeout=240)
+    results = run_ranks(uw.train_warned, 2, configs, timeout=slowdown(240))
     for i, cfg in enumerate(configs):
         states = results[0][i][0]
         warned = [m for r in range(2) for m in results[r][i][1]]
@@ -74,7 +75,7 @@ def test_sharded_optimizer_leaves_params_without_grad_alone_as_zero_redundancy_d
     param back from skipped steps ('odd', AdamW) keeps its own step count, as there."""
     configs = [dict(case=case, system=system, optimizer=opt) for case in ("spare", "odd")
                for system in ("zero_redundancy", "sharded_optimizer") for opt in ("adamw", "sgd")]
-    results = run_ranks(uw.train_ddp, 2, configs, timeout=240)
+    results = run_ranks(uw.train_ddp, 2, configs, timeout=slowdown(240))
     for i, cfg in enumerate(configs):
         states = results[0][i][0]
         for r in range(1, 2):
@@ -86,7 +87,7 @@ def test_sharded_optimizer_leaves_params_without_grad_alone_as_zero_redundancy_d
 
 
 def test_a_never_used_parameter_keeps_grad_none_and_its_value():
-    per_rank = run_ranks(uw.spare_after_one_step, 2, timeout=120)
+    per_rank = run_ranks(uw.spare_after_one_step, 2, timeout=slowdown(120))
     for stage_results in per_rank:
         for stage, (grad_is_none, unchanged) in enumerate(stage_results):
             assert unchanged, stage

@@ -36,12 +36,71 @@ class RankError(RuntimeError):
         super().__init__(f"rank(s) {ranks} failed:\n{detail}")
 
 
+#: With a GPU per rank, one process group carries both kinds of tensor: CPU tensors over gloo
+#: (every notebook's ``torch.arange``), CUDA tensors over NCCL (the GPU cells).
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+_DEVICES, _BACKENDS = ("cpu", "cuda"), ("gloo", "nccl")
+
+
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def carriers(backend: str) -> dict[str, str]:
+    """Which backend carries which tensors: ``"cpu:gloo,cuda:nccl"`` -> {"cpu": "gloo", "cuda": "nccl"}.
+
+    A plain name carries what it can: gloo CPU tensors, NCCL only CUDA tensors (it refuses CPU
+    tensors: "No backend type associated with device type cpu").
+    """
+    if backend == "gloo":
+        return {"cpu": "gloo"}
+    if backend == "nccl":
+        return {"cuda": "nccl"}
+    pairs = [part.split(":") for part in backend.split(",")]
+    if not all(len(p) == 2 and p[0] in _DEVICES and p[1] in _BACKENDS for p in pairs):
+        raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or a map such as {GPU_BACKEND!r}, "
+                         f"got {backend!r}")
+    return dict(pairs)
+
+
+def pick_backend(backend: str, ranks: int, gpus: int | None = None) -> str:
+    """The process group's backend for ``ranks`` processes on a machine with ``gpus`` GPUs.
+
+    ``"auto"``: with a GPU for every rank, :data:`GPU_BACKEND` (CPU tensors over gloo, CUDA
+    tensors over NCCL), so that notebooks written for CPU ranks run unchanged on a GPU node;
+    otherwise gloo, every rank on CPU. Anything that asks for NCCL without a GPU per rank is
+    refused here, with the fix, rather than failing later inside NCCL.
+    """
+    gpus = gpu_count() if gpus is None else gpus
+    if backend == "auto":
+        return GPU_BACKEND if gpus >= ranks else "gloo"
+    if "nccl" in carriers(backend).values() and gpus < ranks:
+        raise RuntimeError(
+            f"backend={backend!r} needs one GPU per rank: {ranks} rank(s) on this machine but {gpus} "
+            f"CUDA device(s) are visible. Use at most {gpus} rank(s) per machine, or backend='gloo' "
+            f"(or 'auto') for CPU ranks.")
+    return backend
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """``cuda:local_rank`` when the group carries CUDA tensors over NCCL, else the CPU."""
+    return torch.device("cuda", local_rank) if carriers(backend).get("cuda") == "nccl" else torch.device("cpu")
+
+
+def describe(rank: int, device, backend: str) -> str:
+    """One rank's start-up line: ``[rank 0] cuda:0, gloo for CPU tensors, nccl for CUDA tensors``."""
+    what = ", ".join(f"{name} for {kind.upper()} tensors" for kind, name in carriers(backend).items())
+    return f"[rank {rank}] {device}, {what}"
+
+
 def init_rank(rank: int, world_size: int, store=None, backend: str = "gloo", timeout: float = 60.0,
               threads: int | None = 1, local_rank: int | None = None) -> torch.device:
     """Join the process group as ``rank`` and return this rank's device.
 
     ``store=None`` meets the peers by env:// rendezvous (MASTER_ADDR / MASTER_PORT, as torchrun
-    sets them). With NCCL the device is ``cuda:local_rank`` (default: $LOCAL_RANK, else ``rank``).
+    sets them). ``backend`` is a name or a device map (:func:`carriers`); when NCCL carries CUDA
+    tensors the device is ``cuda:local_rank`` (default: $LOCAL_RANK, else ``rank``).
     ``threads=1`` keeps N ranks from fighting over the cores (and avoids the fork-after-threads
     hang); pass ``None`` to keep torch's default.
     """
@@ -54,12 +113,14 @@ def init_rank(rank: int, world_size: int, store=None, backend: str = "gloo", tim
     # without an active exception") after training has finished. Imported first, nothing holds
     # the group, and destroy_process_group stops its threads.
     importlib.import_module("torch._dynamo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        if local_rank is None:
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", local_rank)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Bind the group to the GPU (eager NCCL set-up) only for NCCL alone. A cpu:gloo,cuda:nccl
+    # group stays unbound: NCCL starts at the first CUDA collective, and barrier() and the
+    # *_object helpers use gloo, so notebooks that never touch a GPU never depend on NCCL.
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),

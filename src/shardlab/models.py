@@ -8,7 +8,14 @@ name      blocks  d     heads  vocab  parameters
 tiny      2       32    2      128    ~0.03 M
 small     4       128   4      1024   ~1.1 M
 gpt-13m   6       384   6      4096   ~13.8 M  (the benchmark's model)
+gpt-1b    18      2048  16     32000  ~1.04 B  (GPUs only: fits on one 80 GB GPU at stage 0)
+gpt-7b    32      4096  32     32000  ~6.71 B  (GPUs only: 8 x 80 GB fit it at stage 1-3, not 0)
 ========  ======  ====  =====  =====  ==========
+
+The two large sizes make the reference example real: 7 B parameters need 16 bytes each at
+stage 0 (112 GB, 126 GB with this engine's fp32 gradients), more than an 80 GB GPU; sharded
+over 8 GPUs at stage 3 they need 14 (16) GB. Their sequences are 1024 tokens long, so that
+activations matter too (``--checkpoint`` in ``python -m shardlab train``).
 
 And :class:`MoE`, a tiny mixture of experts whose expert choice depends on the data, so that a
 rank can skip an expert (notebook 05).
@@ -40,6 +47,8 @@ SIZES = {
     "tiny": GPTConfig(vocab=128, d=32, n_layer=2, n_head=2, seq=16),
     "small": GPTConfig(vocab=1024, d=128, n_layer=4, n_head=4, seq=32),
     "gpt-13m": GPTConfig(vocab=4096, d=384, n_layer=6, n_head=6, seq=64),
+    "gpt-1b": GPTConfig(vocab=32000, d=2048, n_layer=18, n_head=16, seq=1024),
+    "gpt-7b": GPTConfig(vocab=32000, d=4096, n_layer=32, n_head=32, seq=1024),
 }
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from shardlab import models
 from shardlab.engine.api import parallelize
+from shardlab.engine.comm import barrier
 from shardlab.instruments.memory import memory_report
 from shardlab.instruments.traffic import KINDS, count_comm, volume
 
@@ -200,7 +201,7 @@ def measure(config: Config, make_model, x, y, device: torch.device) -> dict:
         # Kineto prints "USDT: ... profiler_start/stop" to stderr at every profile, under a log
         # level above ERROR; only level 6 (its count of levels) keeps the benchmark's output clean.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        dist.barrier()  # lets the last step's collectives release their buffers
+        barrier()  # lets the last step's collectives release their buffers
         start = held_bytes(config, model, optimizer)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with count_config_traffic(config, model) as comm, record_function("bench:step"):

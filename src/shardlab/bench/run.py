@@ -36,6 +36,7 @@ from shardlab.bench.harness import (
     timed_rounds,
     write_json,
 )
+from shardlab.engine.comm import barrier
 from shardlab.instruments.traffic import volume
 
 
@@ -54,7 +55,7 @@ def _rank_main(opts: dict) -> dict:
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
-        dist.barrier()
+        barrier()
 
     def step(name, i):
         model, optimizer = runs[name]

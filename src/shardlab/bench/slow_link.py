@@ -44,6 +44,7 @@ from shardlab.bench.harness import (
     write_json,
 )
 from shardlab.bench.report import SHORT
+from shardlab.engine.comm import barrier
 from shardlab.instruments.link import LINKS, link_delay
 from shardlab.instruments.traffic import ring_bytes_sent, volume
 
@@ -128,7 +129,7 @@ def _rank_main(opts: dict) -> dict:
             train_step(s, *batches[i])
         return em.link_time_s, em.slept_s  # this step's emulated link time, and the part it slept
 
-    times, links = timed_rounds(pairs, step, opts["warmup"], opts["steps"], dist.barrier,
+    times, links = timed_rounds(pairs, step, opts["warmup"], opts["steps"], barrier,
                                 desc=f"time {len(pairs)} (stage, link, overlap)",
                                 show=dist.get_rank() == 0 and not opts["quiet"])
     out = {}

@@ -36,19 +36,16 @@ _clusters: weakref.WeakSet = weakref.WeakSet()  # every live Cluster, stopped at
 _current: Cluster | None = None  # the one %%ranks talks to (the last started)
 
 
-def _pick_backend(backend: str, world_size: int) -> str:
-    import torch
+def _pick_backend(backend: str, world_size: int, engines: str = "local", gpus: int | None = None) -> str:
+    """The group's backend (see :func:`shardlab.launch.pick_backend`). Engines on other
+    machines (SLURM) have GPUs this kernel cannot count: "auto" stays on gloo there, and a
+    rank without the GPU an NCCL backend needs says so when it joins."""
+    from shardlab.launch import carriers, pick_backend
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
-        raise RuntimeError(
-            f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} CUDA "
-            f"device(s) are visible. Use world_size<={gpus}, or backend='gloo' for CPU ranks.")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-    return backend
+    if engines != "local":
+        carriers(backend if backend != "auto" else "gloo")  # validates the name
+        return "gloo" if backend == "auto" else backend
+    return pick_backend(backend, world_size, gpus)
 
 
 def _phase(world_size: int, up: int, joined: int) -> str:
@@ -81,7 +78,7 @@ class Cluster(_Runs):
                 f"for the CPU. Use world_size<={max_ranks_per_core * cores}, or override with "
                 f"start_cluster({world_size}, max_ranks_per_core={-(-world_size // cores)}).")
         self.world_size = world_size
-        self.backend = _pick_backend(backend, world_size)
+        self.backend = _pick_backend(backend, world_size, engines)
         self.timeout = float(timeout)
         self.threads = threads
         self.start_timeout = float(start_timeout)
@@ -95,6 +92,9 @@ class Cluster(_Runs):
         self.interrupt_grace = _INTERRUPT_GRACE
         self.start_seconds: float | None = None
         self.pids: list[int] = []
+        #: each rank's device and start-up line ("[rank 0] cuda:0, gloo for CPU tensors, ...")
+        self.devices: list[str] = []
+        self.lines: list[str] = []
         self._ipp = None  # ipyparallel.Cluster
         self._client = None
         self._ids: list[int] = []  # engine id of each rank
@@ -145,7 +145,10 @@ class Cluster(_Runs):
             bar.set_description_str(_phase(self.world_size, self.world_size, 0))
             bar.update(self.world_size - bar.n)
             self._ids = sorted(self._client.ids)[: self.world_size]
-            self.pids = [info["pid"] for info in self._init_group(progress=bar)]
+            infos = self._init_group(progress=bar)
+            self.pids = [info["pid"] for info in infos]
+            self.devices = [info["device"] for info in infos]
+            self.lines = [info["line"] for info in infos]
         except BaseException:
             bar.close()
             self.stop()
@@ -154,6 +157,9 @@ class Cluster(_Runs):
         self._needs_restart = False
         self.start_seconds = time.perf_counter() - t0
         # No "ready" line: the cluster's repr says it, once (a notebook cell shows the repr).
+        # On GPUs each rank's device and backends are printed, so nobody guesses what runs where.
+        if not self.quiet and any(d != "cpu" for d in self.devices):
+            print("\n".join(self.lines))
         return self
 
     def _init_group(self, progress=None) -> list[dict]:
@@ -220,7 +226,7 @@ class Cluster(_Runs):
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
             self._profile_dir = None
-        self._ids, self.pids = [], []
+        self._ids, self.pids, self.devices, self.lines = [], [], [], []
         if _current is self:
             _current = None
 
@@ -234,8 +240,21 @@ class Cluster(_Runs):
         state = "stopped" if self._stopped else ("needs restart" if self._needs_restart else "running")
         if state == "running" and self.start_seconds is not None:
             state += f", ready in {self.start_seconds:.1f} s"
-        device = "GPU" if self.backend == "nccl" else "CPU"
-        return f"Cluster(world_size={self.world_size}, backend={self.backend!r} ({device}), {state})"
+        return f"Cluster(world_size={self.world_size}, {self.where()}, {state})"
+
+    def where(self) -> str:
+        """Where the ranks run and which backend carries which tensors, in one phrase:
+        ``rank r on cuda:r, gloo for CPU tensors, nccl for CUDA tensors``."""
+        from shardlab.launch import carriers
+
+        what = ", ".join(f"{name} for {kind.upper()} tensors" for kind, name in carriers(self.backend).items())
+        if not self.devices:
+            return what
+        if self.devices == [f"cuda:{r}" for r in range(self.world_size)]:
+            return f"rank r on cuda:r, {what}"
+        if len(set(self.devices)) == 1:
+            return f"ranks on {self.devices[0]}, {what}"
+        return f"ranks on {', '.join(self.devices)}, {what}"
 
     def _kill_engines(self) -> None:
         """Kill the ranks' processes now; the next run restarts them."""
@@ -284,8 +303,10 @@ class Cluster(_Runs):
 def start_cluster(world_size: int = 4, backend: str = "auto", timeout: float = 60.0, **options) -> Cluster:
     """Start ``world_size`` ranks for this notebook and return the :class:`Cluster`.
 
-    ``backend="auto"`` picks NCCL with one GPU per rank when CUDA has enough devices, else gloo
-    on CPU. ``timeout`` (seconds) bounds every collective. A second call replaces the first
+    ``backend="auto"``: with a GPU per rank, rank r drives ``cuda:r`` and the group carries CPU
+    tensors over gloo and CUDA tensors over NCCL (``"cpu:gloo,cuda:nccl"``), so that cells
+    written for CPU ranks run unchanged; without, gloo on CPU. ``"nccl"`` alone carries CUDA
+    tensors only. ``timeout`` (seconds) bounds every collective. A second call replaces the first
     cluster. Options: ``threads`` per rank (1), ``max_ranks_per_core`` (2), ``start_timeout``
     (120 s), ``quiet``; for engines on other machines (see workshop/README.md): ``engines``
     (an ipyparallel launcher such as "slurm"), ``host`` (this machine's address as the ranks

@@ -48,24 +48,29 @@ def _init_rank(rank: int, world_size: int, host: str, port: int, backend: str, t
     import torch
     import torch.distributed as dist
 
-    from shardlab.launch import init_rank
+    from shardlab.launch import carriers, describe, init_rank
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    if backend == "nccl":
+    local = rank
+    if carriers(backend).get("cuda") == "nccl":
         # One GPU per engine: local engines take cuda:rank; engines placed by SLURM take their
         # node-local id, modulo the GPUs they see (1 with --gpus-per-task=1).
-        local = int(os.environ.get("SLURM_LOCALID", rank))
-        os.environ["LOCAL_RANK"] = str(local % max(1, torch.cuda.device_count()))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise RuntimeError(f"backend={backend!r} needs a GPU on every rank, but rank {rank} sees none "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                               "use backend='gloo', or ask SLURM for a GPU per task")
+        local = int(os.environ.get("SLURM_LOCALID", rank)) % gpus
     # Joining may take long on a busy laptop, a collective should not: join with a generous
     # timeout, then set the collectives' one.
     join = max(timeout, 120.0)
     store = dist.TCPStore(host, port, world_size + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=join))
-    device = init_rank(rank, world_size, store, backend, join, threads)
+    device = init_rank(rank, world_size, store, backend, join, threads, local_rank=local)
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, device=device)
-    return {"pid": os.getpid(), "device": str(device)}
+    return {"pid": os.getpid(), "device": str(device), "line": describe(rank, device, backend)}
 
 
 def _drop_process_group() -> None:
@@ -75,7 +80,7 @@ def _drop_process_group() -> None:
     if not dist.is_initialized():
         return
     try:
-        if dist.get_backend() == "nccl":  # destroying with NCCL work in flight can block
+        if "nccl" in dist.get_backend():  # destroying with NCCL work in flight can block
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is not None:
                 abort()

@@ -6,8 +6,8 @@ A plain function first, so the numbers can be tested and used without widgets::
     print(result)                                           # a table and the verdict
     result.stages["zero3"].total / 1e9                      # 14.0
 
-and :func:`calculator_widget` on top of it (sliders, a stacked bar per stage against the GPU's
-memory line). Every number comes from :mod:`shardlab.instruments.memory_math`, the module
+and :mod:`shardlab.course.calculator_widgets` on top of it (sliders, a stacked bar per stage
+against the GPU's memory line), which this module never imports. Every number comes from :mod:`shardlab.instruments.memory_math`, the module
 ``python -m shardlab memory`` prints and ``tests/test_calculator.py`` checks against the ZeRO
 paper. GB here is 10^9 bytes, the paper's unit: an "80 GB" card holds 80 GiB (85.9 GB), so
 the GPU line is slightly conservative.
@@ -74,7 +74,7 @@ class CalculatorResult:
 
     def text(self) -> str:
         r = self.recipe
-        lines = [f"{_count(self.params)} params on {self.gpus} GPU(s) of {self.gpu_memory_gb:g} GB, recipe "
+        lines = [f"{count_text(self.params)} params on {self.gpus} GPU(s) of {self.gpu_memory_gb:g} GB, recipe "
                  f"{r.name} ({r.param_bytes} + {r.grad_bytes} + {r.optim_bytes} = {r.bytes_per_param} bytes/param)"
                  + ("" if self.activation_inputs is None else f", activations {_describe(self.activation_inputs)}"),
                  f"{'stage':<7} {'formula':<13} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8}"
@@ -83,16 +83,18 @@ class CalculatorResult:
             mark = ">" if s.stage == self.stage else " "
             lines.append(f"{mark}{s.label:<6} {s.formula:<13}" + "".join(
                 f" {v / mm.GB:>8.3g}" for v in s.parts().values())
-                + f" {s.total / mm.GB:>9.4g}  {'yes' if s.fits else 'no':<5} {_count(s.largest_params)}")
+                + f" {s.total / mm.GB:>9.4g}  {'yes' if s.fits else 'no':<5} {count_text(s.largest_params)}")
         if self.stage is not None:
             lines.append("Verdict: " + self.verdict())
         lines.append("GB = 10^9 bytes. Model state per the ZeRO paper; gathered units and buffers come on top.")
+        lines.append("At cluster scale, with activations and step time: notebook 08, python -m shardlab plan.")
         return "\n".join(lines)
 
     __str__ = text
 
 
-def _count(n) -> str:
+def count_text(n) -> str:
+    """A parameter count as people write it: '7B', '175B', '1.5T'."""
     if n <= 0:
         return "none (activations alone exceed the GPU)"
     for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
@@ -156,7 +158,7 @@ def plot(result: CalculatorResult):
 
     bars = {s: {k: v for k, v in m.parts().items() if k != "activations" or result.activation_inputs}
             for s, m in result.stages.items()}
-    fig = plots.memory_bars(bars, unit="GB", title=f"{_count(result.params)} params on {result.gpus} "
+    fig = plots.memory_bars(bars, unit="GB", title=f"{count_text(result.params)} params on {result.gpus} "
                             f"GPU(s), {result.recipe.name}: memory per GPU vs the GPU's {result.gpu_memory_gb:g} GB")
     ax = fig.axes[0]
     ax.axhline(result.gpu_memory_gb, color="black", linewidth=1.2, linestyle=(0, (6, 2, 1, 2)))
@@ -166,25 +168,3 @@ def plot(result: CalculatorResult):
         ax.get_xticklabels()[mm.STAGES.index(result.stage)].set_fontweight("bold")
     ax.set_ylabel("memory per GPU (GB, 10^9 bytes)")
     return fig
-
-
-def calculator_widget(params=7e9, gpus=8, stage="zero3", recipe="mixed-adam", gpu_memory_gb=80):
-    """Sliders and dropdowns over :func:`memory_calculator`, redrawn live (needs ipywidgets)."""
-    from shardlab.course.calculator_widget import build
-
-    return build(memory_calculator, plot, params=params, gpus=gpus, stage=stage, recipe=recipe,
-                 gpu_memory_gb=gpu_memory_gb)
-
-
-def show(params=7e9, gpus=8, stage="zero3", recipe="mixed-adam", gpu_memory_gb=80, activations=None):
-    """The widget in a live notebook; otherwise the plain function's table and its plot."""
-    from IPython.display import display
-
-    from shardlab.course.quiz import use_widgets
-
-    if use_widgets():
-        display(calculator_widget(params, gpus, stage, recipe, gpu_memory_gb))
-        return
-    result = memory_calculator(params, gpus, stage, recipe, activations, gpu_memory_gb)
-    print(result)
-    display(plot(result))

@@ -2,9 +2,12 @@
 
 The course never types a GPU number into markdown. When a GPU run happens,
 ``workshop/gpu_check.py --record`` and notebook 06's own cells call :func:`record`, which
-writes ``workshop/recorded/gpu_results.json``: one entry per kind of run (``bandwidth``,
-``memory``), each with the hardware it ran on, the date and the command. Without that file,
-:func:`text` says plainly that no GPU run has been recorded yet.
+writes ``workshop/recorded/gpu_results.json``: one entry per kind of run (``node``: devices,
+topology, P2P; ``bandwidth``: bus bandwidth in GB/s and the α-β fit; ``stages``: the training
+script at stages 0-3; ``notebooks``; ``memory``: notebook 06's table), each with the hardware it
+ran on, the date and the command. Without that file, :func:`text` and :func:`banner` say
+plainly that no GPU run has been recorded yet. ``gpu_check.py --dry-run`` writes the same
+entries from CPU ranks, marked ``dry_run``, to a file of its own: never shown as a GPU result.
 
 File format::
 
@@ -21,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-KINDS = ("bandwidth", "memory")
+KINDS = ("node", "bandwidth", "stages", "notebooks", "memory")
 RELATIVE = Path("workshop") / "recorded" / "gpu_results.json"
 NOT_YET = ("No GPU run has been recorded yet. Run `workshop/gpu_check.py --record` under torchrun on a "
            "GPU node, and notebook 06 there, to record one (workshop/README.md, step 1).")
@@ -50,6 +53,25 @@ def hardware() -> dict:
             "gpu_memory_gib": round(props.total_memory / 2**30, 1), "host": socket.gethostname(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+
+
+def gpu_runs(path=None) -> list[dict]:
+    """The recorded runs that ran on a GPU (a dry run's entries are not)."""
+    data = load(path)
+    return [r for r in (data or {"runs": []})["runs"] if not r["hardware"].get("dry_run")]
+
+
+def banner(path=None) -> str:
+    """Notebook 06's first line: whether a GPU run has ever been recorded, and if so where."""
+    runs = gpu_runs(path)
+    if not runs:
+        return ("NO GPU RUN HAS BEEN RECORDED YET. The GPU cells of this notebook have not run on a GPU; "
+                "on a laptop they run on CPU ranks and say what a GPU would show. The first GPU node "
+                "runs `python workshop/gpu_check.py --record` (workshop/README.md, step 1).")
+    hw = runs[0]["hardware"]
+    return (f"Recorded on a GPU: {hw.get('gpu', '?')} x{hw.get('gpus_per_host', '?')}, "
+            f"{min(r['date'] for r in runs)[:10]}, torch {hw.get('torch', '?')}, NCCL {hw.get('nccl', '?')} "
+            f"({', '.join(r['kind'] for r in runs)}).")
 
 
 def load(path=None) -> dict | None:
@@ -90,13 +112,30 @@ def record(kind: str, rows: list[dict], *, command: str, hardware_info: dict | N
 
 
 def _bandwidth_table(run: dict) -> list[str]:
-    lines = [f"{'collective':16}{'ranks':>6}{'size (MB)':>11}{'time (ms)':>11}{'busbw (GB/s)':>14}"]
+    lines = [f"{'collective':16}{'ranks':>6}{'size (MB)':>11}{'time (ms)':>11}{'busbw (GB/s)':>14}",
+             "(busbw: the nccl-tests bus bandwidth, bytes / time x (N-1)/N, x 2(N-1)/N for all-reduce)"]
     for r in run["rows"]:
         lines.append(f"{r['kind']:16}{r['world_size']:>6}{r['size_bytes'] / 2**20:>11.0f}"
                      f"{r['seconds'] * 1e3:>11.3f}{r.get('busbw_gbs', 0):>14.1f}")
     for kind, fit in run.get("fit", {}).items():
-        lines.append(f"α-β fit, {kind}: β = {fit['bandwidth_gbps']:.0f} Gbit/s, α = {fit['latency_us']:.1f} µs")
+        gbs = fit["bandwidth_gbs"] if "bandwidth_gbs" in fit else fit["bandwidth_gbps"] / 8
+        lines.append(f"α-β fit, {kind}: β = {gbs:.1f} GB/s, α = {fit['latency_us']:.1f} µs")
     return lines
+
+
+def _node_table(run: dict) -> list[str]:
+    n = run["rows"][0]
+    lines = [f"cuda:{g['index']}: {g['name']}, {g['memory_gib']} GiB, sm {g['capability']}" for g in n["gpus"]]
+    lines += n["topology"].splitlines()
+    if n["p2p"]:
+        lines.append("P2P access: " + " ".join("".join("y" if ok else "." for ok in row) for row in n["p2p"]))
+    return lines
+
+
+def _rows_table(run: dict) -> list[str]:
+    """Any other kind: one line per row, its fields as name=value."""
+    return ["  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+            for r in run["rows"]]
 
 
 def _memory_table(run: dict) -> list[str]:
@@ -119,11 +158,15 @@ def text(path=None) -> str:
     out = []
     for run in data["runs"]:
         hw = run["hardware"]
-        out.append(f"recorded {run['kind']}: {run['date']} on {hw.get('gpu', '?')} "
-                   f"(x{hw.get('gpus_per_host', '?')} per host, {hw.get('host', '?')}; torch {hw.get('torch', '?')}, "
-                   f"NCCL {hw.get('nccl', '?')})")
+        if hw.get("dry_run"):
+            out.append(f"DRY RUN on CPU ranks, not a GPU result: {run['kind']}, {run['date']} on {hw.get('host', '?')}")
+        else:
+            out.append(f"recorded {run['kind']}: {run['date']} on {hw.get('gpu', '?')} "
+                       f"(x{hw.get('gpus_per_host', '?')} per host, {hw.get('host', '?')}; torch {hw.get('torch', '?')}, "
+                       f"NCCL {hw.get('nccl', '?')})")
         out.append(f"command: {run['command']}")
-        out += _bandwidth_table(run) if run["kind"] == "bandwidth" else _memory_table(run)
+        table = {"bandwidth": _bandwidth_table, "memory": _memory_table, "node": _node_table}.get(run["kind"], _rows_table)
+        out += table(run)
         out.append("")
     return "\n".join(out).rstrip()
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import models
+from shardlab.engine import comm
 from shardlab.engine.api import parallelize
 from shardlab.engine.units import checkpoint_units
 from shardlab.instruments.link import LINKS, emulate_link, link_delay
@@ -94,7 +95,7 @@ def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overl
     for i, (x, y) in enumerate(batches):
         shift = i % len(pairs)
         for label, name in pairs[shift:] + pairs[:shift]:
-            dist.barrier()
+            comm.barrier()
             seconds, link_s, waited = _timed_step(*runs[name], x, y, links[label], overlap)
             if i >= warmup:
                 row = out[label][name]
@@ -188,8 +189,6 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
     time is the slowest rank's mean over ``iters`` (a collective ends when its last rank does).
     ``workshop/gpu_check.py`` and notebook 06 feed these to :func:`~shardlab.instruments.link.fit_link`.
     """
-    from shardlab.engine import comm
-
     world = dist.get_world_size()
     rows = []
     for mb in sizes_mb:
@@ -203,13 +202,13 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
             for _ in range(2):
                 op()
             _sync(device)
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
                 op()
             _sync(device)
             worst = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # bookkeeping, not traffic: comm only sums
+            comm.all_reduce_max(worst)  # the slowest rank's time
             rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=worst.item(), world_size=world))
     return rows
 

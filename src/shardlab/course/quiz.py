@@ -1,219 +1,37 @@
-"""Check-yourself quizzes: question banks kept in the package, a widget, and a text fallback.
+"""Check-yourself quizzes, as a learner meets them: a widget per question, or plain text.
 
-The answers live in data files (``quizzes/<NN>_<name>.json``), not in notebook cells, so the
-answer is not one scroll away. In a notebook::
+In a notebook::
 
     from shardlab.course import quiz
     quiz.show("03")                        # one widget per question: choices, Check, feedback
     quiz.answer("03.comm_2psi", "d")       # the text fallback: prints feedback, returns True/False
     quiz.final()                           # the final quiz, with a running score
 
-A question is ``single`` (one key), ``multiple`` (a list of keys) or ``numeric`` (a number with
-an absolute ``tolerance`` and a ``unit``). Every wrong choice has its own feedback; the
-``explanation`` is shown when right, and after a wrong answer's feedback. A numeric answer may
-name its ``source``, the :mod:`shardlab.instruments.memory_math` call it comes from, so a test
-recomputes it (see :func:`recompute`)::
-
-    "source": {"fn": "model_state_bytes", "args": [7e9, 8], "key": "zero3", "divide": 1e9}
-
-``kwargs`` (a dict) may follow ``args``; ``key`` indexes a dict result (a list of keys for a
-nested one); ``divide`` defaults to the unit's size (GB 1e9, GiB 2^30, MB 1e6, bytes 1). A source
-may name ``"module": "parallelism_math"`` instead, with a ``shape`` (the fields of its
-``Shape``, passed first) and an ``attr`` of the result to read before ``key``.
-
-Widgets are used when ipywidgets and a Jupyter kernel are both there; ``SHARDLAB_NO_WIDGETS=1``
+The questions, answers and checks are in :mod:`shardlab.course.quiz_bank`; the widgets in
+:mod:`shardlab.course.quiz_widgets`, which builds on the bank too. This module picks between
+them: widgets when ipywidgets and a Jupyter kernel are both there; ``SHARDLAB_NO_WIDGETS=1``
 (or ``quiz.show(..., widgets=False)``) forces plain text.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 
-BANKS = Path(__file__).with_name("quizzes")
-KINDS = ("single", "multiple", "numeric")
-UNIT_SCALE = {"GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20, "KB": 10**3, "bytes": 1, "B": 1}
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    kind: str
-    question: str
-    answer: object
-    bank: str
-    choices: dict = field(default_factory=dict)
-    feedback: dict = field(default_factory=dict)
-    explanation: str = ""
-    tolerance: float = 0.0
-    unit: str = ""
-    check_yourself: bool = False  # one of the course's two check-yourself questions, word for word
-    prediction: bool = False  # asks for a number or a trend before the learner has computed it
-    source: dict | None = None
-
-    def right_keys(self) -> set:
-        return {self.answer} if self.kind == "single" else set(self.answer)
-
-
-@dataclass(frozen=True)
-class Feedback:
-    correct: bool
-    text: str
-
-
-def problems(q: Question) -> list[str]:
-    """What is wrong with a question (empty when it is sound): the rules every bank obeys."""
-    out = []
-    if q.kind not in KINDS:
-        return [f"{q.id}: kind must be one of {KINDS}, got {q.kind!r}"]
-    if not q.question.strip() or not q.explanation.strip():
-        out.append(f"{q.id}: needs a question and an explanation")
-    if q.kind == "numeric":
-        if not isinstance(q.answer, (int, float)) or isinstance(q.answer, bool):
-            out.append(f"{q.id}: a numeric answer must be a number, got {q.answer!r}")
-        if not isinstance(q.tolerance, (int, float)) or q.tolerance < 0 or not q.unit:
-            out.append(f"{q.id}: a numeric question needs a tolerance >= 0 and a unit")
-        return out
-    keys = q.answer if q.kind == "multiple" else [q.answer]
-    if len(q.choices) < 2:
-        out.append(f"{q.id}: needs at least two choices")
-    if q.kind == "multiple" and (not isinstance(q.answer, list) or not q.answer or len(set(q.answer)) != len(q.answer)):
-        out.append(f"{q.id}: a multiple-choice answer is a non-empty list of distinct keys")
-    if q.kind == "single" and not isinstance(q.answer, str):
-        out.append(f"{q.id}: a single-choice answer is one key, got {q.answer!r}")
-    missing = [k for k in keys if k not in q.choices]
-    if missing:
-        out.append(f"{q.id}: answer key(s) {missing} are not among the choices {sorted(q.choices)}")
-    wrong = set(q.choices) - set(keys)
-    if set(q.feedback) != wrong:
-        out.append(f"{q.id}: feedback must cover exactly the wrong choices {sorted(wrong)}, has {sorted(q.feedback)}")
-    return out
-
-
-def bank_files() -> dict[str, Path]:
-    """Every bank in the package by name: ``{"03_zero1_zero2": path, ..., "final": path}``."""
-    return {p.stem: p for p in sorted(BANKS.glob("*.json"))}
-
-
-def _bank_name(bank: str) -> str:
-    files = bank_files()
-    matches = [name for name in files if name == bank or name.split("_")[0] == bank]
-    if len(matches) != 1:
-        raise ValueError(f"no single quiz bank called {bank!r}; the banks are {sorted(files)} "
-                         f"(name one by its number, e.g. quiz.show('03'))")
-    return matches[0]
-
-
-def _load(name: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
-    return _parse(bank_files()[name])
-
-
-@cache
-def _parse(path: Path) -> tuple[tuple[Question, ...], tuple[str, ...]]:
-    name = path.stem
-    data = json.loads(path.read_text(encoding="utf-8"))
-    known = set(Question.__dataclass_fields__) - {"bank"}
-    out = []
-    for raw in data.get("questions", []):
-        extra = set(raw) - known
-        if extra:
-            raise ValueError(f"{name}.json: question {raw.get('id')!r} has unknown fields {sorted(extra)}")
-        q = Question(bank=name, **raw)
-        bad = problems(q)
-        if bad:
-            raise ValueError(f"{name}.json: " + "; ".join(bad))
-        out.append(q)
-    return tuple(out), tuple(data.get("draw", ()))
-
-
-def all_questions() -> dict[str, Question]:
-    """Every question of every bank by id (ids are unique across banks)."""
-    out: dict[str, Question] = {}
-    for name in bank_files():
-        for q in _load(name)[0]:
-            if q.id in out:
-                raise ValueError(f"question id {q.id!r} is in both {out[q.id].bank} and {name}")
-            out[q.id] = q
-    return out
-
-
-def questions(bank: str) -> list[Question]:
-    """The questions of one bank, in order (a bank's ``draw`` ids first, from other banks)."""
-    own, draw = _load(_bank_name(bank))
-    every = all_questions() if draw else {}
-    unknown = [i for i in draw if i not in every]
-    if unknown:
-        raise ValueError(f"bank {bank!r} draws unknown question ids {unknown}")
-    return [every[i] for i in draw] + list(own)
-
-
-def get(question_id: str) -> Question:
-    every = all_questions()
-    if question_id not in every:
-        raise KeyError(f"no question {question_id!r}; ids look like '03.zero1_shards' (see quiz.questions('03'))")
-    return every[question_id]
-
-
-def _keys(choice) -> list[str]:
-    if isinstance(choice, str):
-        choice = choice.replace(",", " ").split() if ("," in choice or " " in choice) else list(choice) if len(choice) > 1 else [choice]
-    return [str(c).strip().lower() for c in choice]
-
-
-def check(question_id: str, choice) -> Feedback:
-    """Is ``choice`` right? Returns the feedback without printing (``answer`` prints it)."""
-    q = get(question_id)
-    if q.kind == "numeric":
-        try:
-            value = float(str(choice).replace(q.unit, "").strip()) if isinstance(choice, str) else float(choice)
-        except (TypeError, ValueError):
-            raise ValueError(f"{q.id} wants a number in {q.unit}, e.g. quiz.answer({q.id!r}, 14); got {choice!r}") from None
-        right = abs(value - q.answer) <= q.tolerance * (1 + 1e-9) + 1e-12  # "at the edge" counts, floats aside
-        side = "" if right else q.feedback.get("low" if value < q.answer else "high", "")
-        detail = " ".join(filter(None, [side, q.explanation]))
-        return Feedback(right, f"{'Right' if right else 'Not quite'}: {value:g} {q.unit}. {detail}")
-    picked = _keys(choice)
-    unknown = [k for k in picked if k not in q.choices]
-    if unknown or not picked or (q.kind == "single" and len(picked) != 1):
-        how = "one key" if q.kind == "single" else "a list of keys, e.g. ['a', 'c']"
-        raise ValueError(f"{q.id} wants {how} among {sorted(q.choices)}; got {choice!r}")
-    right = set(picked) == q.right_keys()
-    if right:
-        return Feedback(True, f"Right. {q.explanation}")
-    notes = [f"({k}) {q.feedback[k]}" for k in picked if k in q.feedback]
-    if q.kind == "multiple" and q.right_keys() - set(picked):
-        notes.append("Some right choices are not ticked.")
-    return Feedback(False, "Not quite. " + " ".join(notes + [q.explanation]))
-
-
-_results: dict[str, bool] = {}  # question id -> answered right (at least once)
-_final_ids: list[str] = []  # the final quiz's questions, once quiz.final() ran
-
-
-def _record(q: Question, fb: Feedback) -> None:
-    _results[q.id] = _results.get(q.id, False) or fb.correct
-
-
-def score() -> tuple[int, int]:
-    """(right, total) for the final quiz so far."""
-    return sum(_results.get(i, False) for i in _final_ids), len(_final_ids)
+from shardlab.course import quiz_bank as bank
 
 
 def answer(question_id: str, choice) -> bool:
     """The text fallback: print the feedback for ``choice`` and return whether it is right."""
-    q = get(question_id)
-    fb = check(question_id, choice)
-    _record(q, fb)
+    q = bank.get(question_id)
+    fb = bank.check(question_id, choice)
+    bank.record(q, fb)
     print(("✓ " if fb.correct else "✗ ") + fb.text)
-    if question_id in _final_ids:
-        print("Score: {} / {}".format(*score()))
+    if bank.in_final(question_id):
+        print("Score: {} / {}".format(*bank.score()))
     return fb.correct
 
 
-def text(q: Question) -> str:
+def text(q: bank.Question) -> str:
     """A question as plain text, with its choices and how to answer it."""
     lines = [f"[{q.id}] {q.question}"]
     lines += [f"   {k}) {v}" for k, v in q.choices.items()]
@@ -236,46 +54,20 @@ def use_widgets() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def show(bank: str, widgets: bool | None = None):
-    """Show every question of a bank: widgets when possible, else plain text."""
-    qs = questions(bank)
+def show(name: str, widgets: bool | None = None):
+    """Show every question of the bank ``name`` ("03" or "03_zero1_zero2"): widgets when possible, else plain text."""
+    qs = bank.questions(name)
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
-        return display_questions(qs, on_check=_record)
+        return display_questions(qs, on_check=bank.record)
     print("\n\n".join(text(q) for q in qs))
 
 
 def final(widgets: bool | None = None):
     """The final quiz (the ``final`` bank), with a running score."""
-    qs = questions("final")
-    _final_ids[:] = [q.id for q in qs]
-    for i in _final_ids:  # a fresh start: the score counts this attempt only
-        _results.pop(i, None)
+    qs = bank.start_final()
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
-        return display_questions(qs, on_check=_record, scored=True, score=score)
+        return display_questions(qs, on_check=bank.record, scored=True, score=bank.score)
     print("\n\n".join(text(q) for q in qs))
     print(f"\nEach quiz.answer(...) prints your running score, out of {len(qs)}.")
-
-
-def recompute(source: dict, unit: str = "") -> float:
-    """The number a ``source`` names, from memory_math (or parallelism_math), in the question's unit."""
-    from shardlab.instruments import memory_math, parallelism_math
-
-    modules = {"memory_math": memory_math, "parallelism_math": parallelism_math}
-    name = source.get("module", "memory_math")
-    if name not in modules:
-        raise ValueError(f"source names module {name!r}; use one of {sorted(modules)}")
-    fn = getattr(modules[name], source["fn"], None)
-    if not callable(fn):
-        raise ValueError(f"source names {source['fn']!r}, which {name} does not have")
-    args = list(source.get("args", []))
-    if "shape" in source:
-        args.insert(0, parallelism_math.Shape(**source["shape"]))
-    value = fn(*args, **source.get("kwargs", {}))
-    if "attr" in source:
-        value = getattr(value, source["attr"])
-    keys = source.get("key", [])
-    for k in [keys] if isinstance(keys, str) else keys:
-        value = value[k]
-    return value / source.get("divide", UNIT_SCALE.get(unit, 1))

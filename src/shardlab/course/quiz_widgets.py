@@ -1,6 +1,7 @@
 """The quiz as ipywidgets: per question the choices, a Check button and a feedback area.
 
-Kept apart from :mod:`shardlab.course.quiz` so the text fallback never imports ipywidgets.
+Built on :mod:`shardlab.course.quiz_bank` (the checks), which never imports this module, so the
+text fallback (:mod:`shardlab.course.quiz`) never imports ipywidgets.
 The feedback widget carries the CSS class ``shardlab-quiz-feedback`` (a browser test finds it).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
+
+from shardlab.course.quiz_bank import check
 
 FEEDBACK_CLASS = "shardlab-quiz-feedback"
 
@@ -29,8 +32,6 @@ def _picker(q):
 
 def question_widget(q, on_check, after=None) -> W.VBox:
     """One question: its text, the choices, Check, and the feedback (right or wrong, and why)."""
-    from shardlab.course.quiz import check
-
     picker, chosen = _picker(q)
     button = W.Button(description="Check", button_style="primary")
     feedback = W.HTML(value="")

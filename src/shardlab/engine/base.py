@@ -1,16 +1,26 @@
 """What every ZeRO stage shares: units, gradient-ready hooks, the reductions' order, no_sync.
 
-The stage contract. A stage (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) overrides
-only these public methods; everything else lives here, once:
+The stage contract. Each stage file defines exactly the public methods listed for it here
+(``tests/test_stage_contract.py`` reads this table, so it cannot drift); everything else lives
+in this file, once::
+
+    ddp.py    shard, reduce_grads, keep_grads, after_step
+    zero1.py  shard, reduce_grads, after_step
+    zero2.py  (none: one class attribute)
+    zero3.py  __init__, shard, reduce_grads, after_step, forward_start, pre_forward, post_forward,
+              forward_done, post_backward, backward_done, pre_backward, prefetch_next,
+              count_accumulators, holding, held_backward
 
 * ``shard(unit)``              which part of a unit the optimizer steps on this rank (the master);
 * ``reduce_grads(unit)``       start combining a unit's gradients across ranks; *returns* the
   :class:`~shardlab.engine.flat.Reduction` (the base queues it and waits for it);
 * ``keep_grads(reduction)``    what is kept when that reduction lands;
 * ``after_step(unit)``         how the updated weights reach the parameters again;
-* ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
-  ``pre_backward(unit)``, ``post_backward(unit)``, ``backward_done()``: the points of a step
-  where stage 3 gathers and frees (stages 0-2 keep the base's versions).
+* ``forward_start()``, ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
+  ``post_backward(unit)``, ``backward_done()``: the points of a step where stage 3 gathers and
+  frees (stages 0-2 keep the base's versions). The rest of ``zero3.py``'s list is its own:
+  ``pre_backward`` (a unit's output gradient arrived: gather it), ``prefetch_next``, and what
+  several forwards before one backward need (``count_accumulators``, ``holding``, ``held_backward``);
 
 and sets class attributes instead of testing stage numbers: ``shards_optimizer_state`` and
 ``shards_params`` (the paper's P_os and P_p), ``reduce_as_ready`` (ZeRO-2's P_g: see below).
@@ -22,13 +32,12 @@ no gradient on this rank (an expert no token chose) joins with ``-0.0`` when bac
 stage 3, when the backward walk passes it), as FSDP2's root post-backward callback does. The
 ranks then issue one sequence and differ only in timing, so a rank that waits, waits for a
 collective the others will issue: nobody drifts, aborts or hangs. A parameter no rank gave a
-gradient keeps ``grad = None`` and is not stepped (``FlatUnit.find_unused`` says how that is
-known with no extra collective).
+gradient keeps ``grad = None`` and is not stepped (``missing_grads.py`` says how that is known
+with no extra collective).
 """
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from enum import Enum
 
@@ -39,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engine import comm, events
 from shardlab.engine.flat import FlatUnit, Reduction
+from shardlab.engine.missing_grads import check_backend_keeps_sign
 from shardlab.engine.units import find_unit_modules, group_params
 
 
@@ -93,9 +103,6 @@ class Engine:
             self.units.append(unit)
         self.root = self.units[-1] if self.units[-1].module is model else None
         self.others = [u for u in self.units if u is not self.root]
-        for unit in self.others:  # the last unit nested inside each (units are in registration order)
-            inside = {id(m) for m in unit.module.modules()}
-            unit.last_index = max(u.index for u in self.others if id(u.module) in inside)
         #: the fixed order of reductions: reverse registration order, the root (used first and last) last
         self.reduce_order = self.others[::-1] + ([self.root] if self.root else [])
         self.param_dtype = self.units[0].full.dtype  # what forward and backward compute in
@@ -105,7 +112,7 @@ class Engine:
         self.param_ids = frozenset(id(p) for u in self.units for p in u.params)
         self._in_flight: list[Reduction] = []
         self._next_reduction = 0  # index into reduce_order
-        self._check_zero_sign()
+        check_backend_keeps_sign(self.reduce_dtype, self.units[0].full.device)
         model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         model.register_forward_hook(self._on_root_forward_end)  # first: backward starts here
         for unit in self.units:
@@ -152,20 +159,11 @@ class Engine:
             for b in self.model.buffers():
                 comm.broadcast(b)
 
-    def _check_zero_sign(self) -> None:
-        """Unused parameters are found by the sign of zero (``FlatUnit.find_unused``): check the backend keeps it."""
-        probe = torch.full((1,), -0.0, dtype=self.reduce_dtype, device=self.units[0].full.device)
-        comm.all_reduce(probe)
-        if not bool(probe.signbit()):
-            warnings.warn("this backend's SUM loses the sign of zero: parameters no rank uses will be "
-                          "stepped with a zero gradient instead of skipped", stacklevel=3)
-
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
         events.set_phase("forward")
         self.state = TrainingState.FORWARD
-        for unit in self.units:
-            unit.forward_calls = 0
+        self.forward_start()
         if self.mixed:  # cast floating-point inputs to the compute dtype
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
@@ -176,6 +174,9 @@ class Engine:
         self.state = TrainingState.IDLE
         if torch.is_grad_enabled():
             on_output_grad(output, self._start_backward)
+
+    def forward_start(self) -> None:
+        """The root's forward begins (before any unit's)."""
 
     def pre_forward(self, unit: FlatUnit) -> None:
         events.emit("forward", unit=unit.name)
@@ -201,9 +202,10 @@ class Engine:
         self._start_backward()
         if unit.reduced:
             raise RuntimeError(
-                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 a unit that "
-                "runs twice in one forward must do so on every rank (ranks may skip a unit, not repeat "
-                "it unevenly); give the reused module its own unit on every rank, or use stage 2")
+                f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 units must "
+                "run their forward in registration order (ranks may skip units), and a unit run twice in "
+                "one forward must be so on every rank; register the modules in the order they run, "
+                "or use stage 2")
         unit.grads_to_come -= 1
         if unit.grads_to_come == 0:
             events.emit("backward_done", unit=unit.name)

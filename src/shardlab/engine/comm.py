@@ -12,6 +12,10 @@ silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` e
 issued (kind, ``numel`` of the full buffer, dtype, world size, unit, start) and ``"comm_done"``
 when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
 :mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
+
+The rest of the package lines its ranks up through here too (``barrier``, ``all_reduce_max``,
+``gather_lists``): bookkeeping, not training traffic, so those emit no event. No module outside
+this one calls a ``torch.distributed`` collective (``tests/test_layout_rules.py`` checks it).
 """
 
 from __future__ import annotations
@@ -95,13 +99,41 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, unit=None) -> Pending:
     return _issue("broadcast", dist.broadcast, tensor, None, unit=unit, async_op=False, src=src)
 
 
+# -- bookkeeping: what the instruments, the course and the bench need to line ranks up -----------
+# These move no training data, so they emit no event: no ledger counts them and no emulated link
+# slows them. Like every collective here they give up after the process group's timeout, set
+# when the rank joined (:func:`shardlab.launch.init_rank`), rather than hang.
+
+
+def dist_ready() -> bool:
+    """True when this process is in a process group (False alone in a notebook, without ranks)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait until every rank gets here, so that what follows starts together (no-op without ranks)."""
+    if dist_ready():
+        dist.barrier()
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Replace ``tensor`` by its elementwise MAX over ranks, in place, and return it.
+
+    For bookkeeping such as "the slowest rank's time" (a collective ends when its last rank
+    does). MAX, unlike AVG, is exact on every backend, so there is no sum to divide here.
+    """
+    if dist_ready():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def gather_lists(items: list) -> list:
     """Every rank's Python ``items`` concatenated in rank order, on every rank (no-op on one process).
 
     The instruments use it to pool what each rank recorded. It is bookkeeping, not training
     traffic, so it emits no event and no ledger counts it.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not dist_ready() or dist.get_world_size() == 1:
         return list(items)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(items))

@@ -16,11 +16,8 @@ references stay valid) but their ``.data`` is re-pointed at views into ``full``.
 A unit is in one of three states (FSDP2's ``ShardedState``): ``SHARDED`` (only the master shard
 exists), ``GATHERING`` (an all-gather is in flight) or ``GATHERED`` (``full`` holds every element).
 
-Gradients that never came: when a unit packs its gradients, a parameter that got none on this
-rank is sent as ``-0.0``. In IEEE arithmetic a sum is ``-0.0`` only if every term is, and a
-gradient that exists is sent as ``grad + 0.0`` (never ``-0.0``), so after the reduction the
-gradient itself says whether *any* rank used a parameter (:meth:`FlatUnit.find_unused`), with no
-extra collective. ``parallelize`` checks once that the backend keeps the sign of zero.
+Gradients that never came are sent as ``-0.0``, so that the reduced gradient itself says
+whether any rank used a parameter: ``missing_grads.py`` explains the convention.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.engine import comm, events
+from shardlab.engine.missing_grads import mark_unused, send_missing, send_present
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -195,7 +193,7 @@ class FlatUnit:
         dropped = 0
         for p, piece in zip(self.params, pieces):
             if p.grad is None and piece.numel():
-                piece.fill_(-0.0)  # dropped (the user's zero_grad, or unused): "no gradient"
+                send_missing(piece)  # dropped (the user's zero_grad, or unused): "no gradient"
                 dropped += 1
             elif _is_view_of(p.grad, piece):
                 p.grad = None  # our shard view: the master keeps it
@@ -228,10 +226,10 @@ class FlatUnit:
         self.no_grad_here = set()
         for i, (g, p, piece) in enumerate(zip(self.views(flat), self.params, shown)):
             if p.grad is None or _is_view_of(p.grad, piece):
-                g.fill_(-0.0)  # "no gradient here": only a sum of -0.0s is -0.0
+                send_missing(g)
                 self.no_grad_here.add(i)
             else:
-                torch.add(p.grad, 0.0, out=g)  # a copy that turns -0.0 into +0.0
+                send_present(p.grad, g)
         return flat
 
     def reduce_scatter(self, grad: torch.Tensor) -> Reduction:
@@ -239,26 +237,9 @@ class FlatUnit:
         shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
         return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, async_op=True), shard)
 
-    def find_unused(self, grad: torch.Tensor) -> list[int]:
-        """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them)."""
-        spans = [(i, a, b) for i, (a, b) in enumerate(self.ranges(grad)) if b > a]
-        if not spans:
-            return []
-        firsts = grad[torch.tensor([a for _, a, _ in spans], device=grad.device)]
-        maybe = ((firsts == 0) & firsts.signbit()).tolist()
-        return [i for (i, a, b), m in zip(spans, maybe, strict=True)
-                if m and bool(((grad[a:b] == 0) & grad[a:b].signbit()).all())]
-
     def mark_unused(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Set ``unused`` from the reduced ``grad`` (this rank's part); return what the optimizer
-        should step: ``grad``, or None when every param with elements here went unused."""
-        self.unused = self.find_unused(grad) if grad is not None else []
-        all_unused = bool(self.unused) and len(self.unused) == sum(b > a for a, b in self.ranges(grad))
-        # A piece with no elements here cannot say whether another rank used its param: it
-        # counts as unused (grad None) only if this rank gave it no gradient either.
-        self.unused += [i for i, (a, b) in enumerate(self.ranges(grad)) if a == b and i in self.no_grad_here] \
-            if grad is not None else []
-        return None if all_unused else grad
+        """Set ``unused`` from the reduced ``grad``: see :func:`missing_grads.mark_unused`."""
+        return mark_unused(self, grad)
 
     def master_grad_pieces(self) -> list[torch.Tensor | None]:
         """Stage 3: each param's piece of the master's gradient (what its ``grad`` shows at rest)."""

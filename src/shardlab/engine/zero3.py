@@ -40,6 +40,7 @@ import torch
 from shardlab.engine import events
 from shardlab.engine.base import TrainingState, on_output_grad
 from shardlab.engine.flat import FlatUnit, Reduction
+from shardlab.engine.missing_grads import walked_past
 from shardlab.engine.zero2 import ZeRO2
 
 
@@ -53,12 +54,15 @@ class FSDP(ZeRO2):
         #: start the next unit's all-gather before it is needed
         self.prefetch = prefetch
         super().__init__(model, **kwargs)
+        for unit in self.others:  # the last unit nested inside each (units are in registration order)
+            inside = {id(m) for m in unit.module.modules()}
+            unit.last_index = max(u.index for u in self.others if id(u.module) in inside)
         root = [self.root] if self.root else []
-        self.forward_order = root + self.others
-        # reverse of the order in which units finish their forward: a nested unit after its parent
-        self.backward_order = root + sorted(self.others, key=lambda u: (u.last_index, -u.index), reverse=True)
-        self._position = {"forward": {u: i for i, u in enumerate(self.forward_order)},
-                          "backward": {u: i for i, u in enumerate(self.backward_order)}}
+        # forward: registration order; backward: the reverse of the order in which units finish
+        # their forward (a nested unit after its parent)
+        self.order = {TrainingState.FORWARD: root + self.others,
+                      TrainingState.BACKWARD: root + sorted(self.others, key=lambda u: (u.last_index, -u.index), reverse=True)}
+        self._position = {phase: {u: i for i, u in enumerate(order)} for phase, order in self.order.items()}
         self._next = 0  # how far this phase's walk has come
         #: forwards with autograd on since the first forward after the last backward: the
         #: graph the next backward walks (a retained graph is walked again with the same count)
@@ -80,9 +84,9 @@ class FSDP(ZeRO2):
         """Nothing to gather: the next forward borrows the fresh shards when it needs them."""
 
     # -- the walk: every rank gathers the same units in the same order ----------------------
-    def _walk_to(self, phase: str, unit: FlatUnit, skipped) -> None:
+    def _walk_to(self, phase: TrainingState, unit: FlatUnit, skipped) -> None:
         """Gather ``unit``, first catching up on the units before it that this rank skipped."""
-        order, position = getattr(self, f"{phase}_order"), self._position[phase][unit]
+        order, position = self.order[phase], self._position[phase][unit]
         if position < self._next:  # passed already: a unit run twice (every rank must do so)
             unit.gather()
             return
@@ -91,11 +95,11 @@ class FSDP(ZeRO2):
             skipped(other)
         self._enter(phase, unit)
 
-    def _enter(self, phase: str, unit: FlatUnit) -> None:
-        order = getattr(self, f"{phase}_order")
+    def _enter(self, phase: TrainingState, unit: FlatUnit) -> None:
+        order = self.order[phase]
         self._next = self._position[phase][unit] + 1
-        if phase == "backward":  # the units after this one's subtree are done: reduce them now
-            self.issue_reductions(force=lambda u: u.index > unit.last_index and u.forward_calls < 2 and u is not self.root)
+        if phase is TrainingState.BACKWARD:  # the units after this one's subtree are done: reduce them now
+            self.issue_reductions(force=lambda u: walked_past(u, entering=unit, root=self.root))
         unit.gather()  # waits here if a prefetch already started it
         if self.prefetch:
             self.prefetch_next(order, unit)
@@ -146,15 +150,20 @@ class FSDP(ZeRO2):
                 unit.grads_to_come += 1 if seen else 0
                 seen[id(node)] = node  # (held: the id stays unique while the graph lives)
 
-    def pre_forward(self, unit: FlatUnit) -> None:
-        if self._window_closed and torch.is_grad_enabled():  # a new graph: forget the last one's
+    def forward_start(self) -> None:
+        """Count this forward's unit calls afresh; after a backward, a new graph begins."""
+        for unit in self.units:
+            unit.forward_calls = 0
+        if self._window_closed and torch.is_grad_enabled():  # forget the last graph's accumulators
             self._window_forwards, self._window_closed = 0, False
-            for u in self.units:
-                u.accumulators = [{} for _ in u.params]
-                u.grads_to_come = len(u.params)
+            for unit in self.units:
+                unit.accumulators = [{} for _ in unit.params]
+                unit.grads_to_come = len(unit.params)
+
+    def pre_forward(self, unit: FlatUnit) -> None:
         if self.state is TrainingState.FORWARD:
             unit.forward_calls += 1
-            self._walk_to("forward", unit, skipped=self._free_after_forward)
+            self._walk_to(TrainingState.FORWARD, unit, skipped=self._free_after_forward)
         else:  # a checkpoint's recompute in backward, or a unit called on its own
             unit.gather()
         events.emit("forward", unit=unit.name)
@@ -170,8 +179,8 @@ class FSDP(ZeRO2):
 
     def forward_done(self) -> None:
         """Catch up on the units nobody here ran; the backward walk starts from the top."""
-        for unit in self.forward_order[self._next :]:
-            self._enter("forward", unit)
+        for unit in self.order[TrainingState.FORWARD][self._next :]:
+            self._enter(TrainingState.FORWARD, unit)
             self._free_after_forward(unit)
         self._next = 0
         if torch.is_grad_enabled():
@@ -184,7 +193,7 @@ class FSDP(ZeRO2):
         if self.held_backward:  # every unit is gathered already (a retained graph's second
             unit.gather()        # backward: in autograd's order, the same on every rank)
         else:
-            self._walk_to("backward", unit, skipped=FlatUnit.free)
+            self._walk_to(TrainingState.BACKWARD, unit, skipped=FlatUnit.free)
         events.emit("backward", unit=unit.name)
 
     def post_backward(self, unit: FlatUnit) -> None:
@@ -194,8 +203,8 @@ class FSDP(ZeRO2):
 
     def backward_done(self) -> None:
         if not self.held_backward:
-            for unit in self.backward_order[self._next :]:  # units nobody here ran, then all freed
-                self._enter("backward", unit)
+            for unit in self.order[TrainingState.BACKWARD][self._next :]:  # units nobody here ran
+                self._enter(TrainingState.BACKWARD, unit)
                 unit.free()
         self._next = 0
         self._window_closed = True

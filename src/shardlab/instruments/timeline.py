@@ -24,27 +24,21 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from shardlab.engine import events
-from shardlab.engine.comm import gather_lists
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
+from shardlab.engine import comm, events
 
 
 class Trace:
     """This rank's intervals (``local``) and, after the block, every rank's (``events``)."""
 
     def __init__(self):
-        self.rank = dist.get_rank() if _dist_ready() else 0
+        self.rank = dist.get_rank() if comm.dist_ready() else 0
         self.local: list[dict] = []
         self.events: list[dict] = []
         self._open: dict = {}  # (kind, unit) -> start of a compute interval not yet closed
         self.t0 = 0.0
 
     def start(self) -> None:
-        if _dist_ready():
-            dist.barrier()
+        comm.barrier()
         self.t0 = time.perf_counter()
 
     def _add(self, lane, kind, unit, start, end, **extra) -> None:
@@ -74,7 +68,7 @@ class Trace:
 
     def gather(self) -> list[dict]:
         """Every rank's intervals, sorted by start, on every rank (a collective)."""
-        self.events = sorted(gather_lists(self.local), key=lambda e: (e["start"], e["rank"]))
+        self.events = sorted(comm.gather_lists(self.local), key=lambda e: (e["start"], e["rank"]))
         return self.events
 
     def of(self, rank: int | None = None, unit: str | None = None, kind: str | None = None) -> list[dict]:

@@ -1,0 +1,182 @@
+"""The planner's pieces: presets against their papers, memory by its parts, the step replay by hand,
+the ring over nodes, the scaling it must show, and ``python -m shardlab plan``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import slowdown
+from shardlab.instruments import memory_math as mm
+from shardlab.instruments import planner as P
+from shardlab.instruments import planner_presets as pp
+from shardlab.instruments.planner_step import Unit, replay
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("name, published", [
+    ("gpt3-175b", 174.6e9),  # Megatron-LM Table 2: 174.6B
+    ("megatron-1t", 1008.0e9),  # Megatron-LM Table 1: 1008.0B
+    ("llama3-8b", 8.03e9), ("llama3-70b", 70.55e9), ("llama3-405b", 405.85e9),  # Llama 3 model cards
+    ("gpt3-125m", 125e6), ("gpt3-13b", 12.85e9),
+])
+def test_named_models_have_their_published_sizes(name, published):
+    assert pp.model(name).params == pytest.approx(published, rel=0.005)
+
+
+def test_the_course_gpt_counts_as_memory_math_does():
+    from shardlab import models
+    from shardlab.bench.planner_calibrate import transformer
+
+    for size in ("tiny", "small", "gpt-13m"):
+        assert transformer(size).params == mm.gpt_param_count(models.SIZES[size])
+        assert transformer(size).params == sum(p.numel() for p in models.gpt(size).parameters())
+
+
+def test_names_and_bad_inputs():
+    assert pp.model("70B") is pp.model("llama3-70b") and pp.gpu("H100").peak_flops == 989e12
+    for bad, fn in (("71b", pp.model), ("tpu", pp.gpu), ("wifi", pp.network)):
+        with pytest.raises(ValueError, match="choose one of"):
+            fn(bad)
+    with pytest.raises(ValueError, match="whole nodes"):
+        pp.cluster("h100", 12, "ib-ndr")
+    with pytest.raises(ValueError, match="checkpointing"):
+        P.Plan("zero3", checkpointing="some")
+    with pytest.raises(ValueError, match="must divide"):
+        P.memory("8b", pp.cluster("h100", 16), P.Plan("hsdp", shard_group=3))
+    assert P.Plan(3).stage == "zero3" and P.Plan("HSDP").stage == "hsdp"
+
+
+def test_memory_is_the_sum_of_its_formulas():
+    m, c = pp.model("8b"), pp.cluster("h100", 64, "ib-ndr")
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        mem = P.memory(m, c, P.Plan(stage, micro_batch=2, checkpointing="selective"))
+        assert mem.model_states == mm.model_state_bytes(m.params, 64)[stage]
+        assert mem.activations == m.layers * 34 * m.seq * 2 * m.hidden + 4 * m.seq * 2 * m.vocab
+        expect = m.root_params * 2 + mm.gathered_unit_bytes(m.block_params, "mixed-adam", include_grad=True)
+        assert mem.gathered == (expect if stage == "zero3" else 0)
+    hsdp = P.memory(m, c, P.Plan("hsdp", shard_group=8))
+    assert hsdp.model_states == 16 * m.params / 8  # sharded over the group, not all 64
+    assert P.memory(m, c, P.Plan("zero3", prefetch=False)).gathered < P.memory(m, c, P.Plan("zero3")).gathered
+
+
+def test_activations_do_not_shrink_with_more_gpus():
+    m, plan = pp.model("70b"), P.Plan("zero3", checkpointing="selective")
+    small, big = (P.memory(m, pp.cluster("h100", n), plan) for n in (64, 1024))
+    assert small.activations == big.activations and big.model_states == small.model_states / 16
+
+
+def _units(fwd=1.0, bwd=2.0, blocks=2):
+    return [Unit("root", 10, fwd, bwd)] + [Unit(f"b{i}", 10, fwd, bwd) for i in range(blocks)]
+
+
+def test_replay_by_hand_zero3_with_prefetch():
+    # Every collective 0.5 s, every forward 1 s, every backward 2 s, root + 2 blocks. Forward:
+    # gather root 0-0.5, compute 0.5-3.5 with b0, b1 prefetched in time. Backward: head 3.5-5.5,
+    # gather b1 5.5-6 (exposed), b1 6-8, b0 8-10 (its gather prefetched), reduce-scatters of b1
+    # 8-8.5, b0 10-10.5 and the root 10.5-11 (exposed). Step 11 s, compute 9 s, link busy 4 s.
+    run = replay(_units(), "zero3", 1, True, lambda kind, params: 0.5)
+    assert run.compute_s == 9.0 and run.step_s == pytest.approx(11.0) and run.link_s == pytest.approx(4.0)
+    assert run.exposed_comm_s == pytest.approx(2.0)
+
+
+def test_replay_limits():
+    fast = lambda kind, params: 0.0  # noqa: E731
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        assert replay(_units(), stage, 2, True, fast).step_s == pytest.approx(18.0)  # compute only
+    slow = replay(_units(), "zero3", 1, False, lambda kind, params: 0.5)
+    hidden = replay(_units(), "zero3", 1, True, lambda kind, params: 0.5)
+    assert slow.step_s > hidden.step_s  # prefetch hides gathers
+    ddp = replay(_units(), "ddp", 4, True, lambda kind, params: 0.5)
+    assert ddp.link_s == pytest.approx(1.5)  # all-reduces only on the last of 4 micro-batches
+    zero2 = replay(_units(), "zero2", 4, True, lambda kind, params: 0.5)
+    assert zero2.link_s == pytest.approx(4 * 1.5 + 1.5)  # reduce-scatter every micro-batch, then gather
+
+
+def test_rings_across_nodes_share_the_nodes_nics():
+    c = pp.cluster("a100", 64, "ib-hdr")  # 8 HDR NICs a node: 200 GB/s a node
+    whole = P.groups(c, P.Plan("zero3"))[0]
+    assert whole.bandwidth_gbps == pytest.approx(1600) and whole.latency_us == c.inter.latency_us
+    shard, reps = P.groups(c, P.Plan("hsdp", shard_group=8))
+    assert shard.bandwidth_gbps == c.intra.bandwidth_gbps and shard.size == 8  # inside the node
+    assert reps.size == 8 and reps.bandwidth_gbps == pytest.approx(200)  # one GPU's share of the NICs
+    eth = pp.cluster("h100", 64, "100gbe")
+    assert eth.nics_per_node == 1 and P.groups(eth, P.Plan("zero3"))[0].bandwidth_gbps == pytest.approx(100)
+
+
+def test_zero3_collapses_when_the_link_is_the_limit():
+    """Fixed global batch on a slow network: per-GPU traffic stays 3Ψ while compute halves."""
+    m = pp.model("175b")
+    tflops = [P.step_time(m, pp.cluster("a100", n, "100gbe"), P.Plan("zero3", micro_batch=mb, checkpointing="full"))
+              .tflops_per_gpu for n, mb in ((384, 4), (768, 2), (1536, 1))]
+    assert tflops[1] / tflops[0] == pytest.approx(0.5, abs=0.05) and tflops[2] / tflops[1] == pytest.approx(0.5, abs=0.05)
+
+
+def test_compute_bound_runs_at_the_fraction_of_peak():
+    t = P.step_time("70b", pp.cluster("h100", 64), P.Plan("zero3", micro_batch=1, checkpointing="full"))
+    assert t.tflops_per_gpu * 1e12 == pytest.approx(P.ACHIEVABLE_FRACTION * 989e12, rel=0.01)
+    model_flops, hardware = P.step_flops(pp.model("175b"), P.Plan(micro_batch=1, checkpointing="full"))
+    b, s, h, L, V = 1, 2048, 12288, 96, 51200  # Megatron-LM eq. 3, with recompute: 96·B·s·l·h²(1 + s/6h + V/16lh)
+    assert hardware == pytest.approx(96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-3)
+    assert model_flops == pytest.approx(72 * b * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-3)
+
+
+def test_compare_names_first_fit_and_fastest():
+    out = P.compare("70b", pp.cluster("h100", 64), P.Plan(checkpointing="full"))
+    labels = [p.plan.label for p in out["predictions"]]
+    assert labels[0].startswith("DDP") and "HSDP" in labels[3] and labels[-1].startswith("ZeRO-3")
+    assert not out["predictions"][0].memory.fits and out["first_fit"].plan.stage == "zero3"
+    assert out["fastest"].memory.fits
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "shardlab", "plan", *args], capture_output=True, text=True,
+                          timeout=slowdown(60))
+
+
+def test_cli_prints_the_breakdown_and_the_choice():
+    proc = _cli("--model", "70b", "--gpus", "256", "--gpu", "h100", "--plan", "zero3", "--checkpointing", "full")
+    assert proc.returncode == 0, proc.stderr
+    for words in ("memory per GPU", "exposed comm", "TFLOPS/GPU", "First plan that fits: ZeRO-3", "Fastest that fits"):
+        assert words in proc.stdout
+    js = _cli("--model", "8b", "--gpus", "64", "--network", "100gbe", "--checkpointing", "selective", "--json")
+    data = json.loads(js.stdout)
+    assert data["stage"] == "zero3" and data["step_s"] > data["compute_s"] > 0 and len(data["compare"]) == 5
+    assert data["memory_bytes"]["total"] == pytest.approx(sum(v for k, v in data["memory_bytes"].items()
+                                                               if k not in ("total", "card")))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "71b"), "unknown model"), (("--gpus", "12"), "whole nodes"),
+    (("--plan", "hsdp", "--shard-group", "3", "--gpus", "16"), "must divide"), (("--gpu", "tpu"), "unknown GPU"),
+])
+def test_cli_refuses_bad_input_with_the_fix(args, message):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_widget_falls_back_to_the_cli_text(monkeypatch, capsys):
+    from shardlab.course import planner_widget
+
+    monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
+    planner_widget.show(model="8b", gpus=64, network="100gbe", stage="hsdp", checkpointing="selective")
+    out = capsys.readouterr().out
+    assert "HSDP (shard 8), selective ckpt" in out and "Fastest that fits: HSDP" in out
+    words, fig = planner_widget.report("70b", 64, "h100", "ib-ndr", "zero3", "full")
+    mem_ax, time_ax = fig.axes[:2]
+    assert len(mem_ax.patches) == 3 * 5 and len(time_ax.patches) == 2 * 5  # 3 kinds, 2 parts, 5 plans
+    assert mem_ax.get_ylim()[1] < 1067 and "1,067 GiB" in " ".join(t.get_text() for t in mem_ax.texts)
+
+
+def test_widget_redraws_on_a_change():
+    pytest.importorskip("ipywidgets")
+    from shardlab.course import planner_widget
+
+    box = planner_widget.widget(model="70b", gpus=64, checkpointing="none")
+    table = box.children[-1]
+    assert "DOES NOT FIT" in table.value
+    checkpointing = box.children[0].children[1].children[1]
+    checkpointing.value = "full"
+    assert "fits" in table.value and "DOES NOT FIT" not in table.value
