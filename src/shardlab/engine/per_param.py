@@ -11,13 +11,13 @@ Stepping a piece writes into the master, so nothing is copied. And the optimizer
 what ``torch.optim.AdamW(model.parameters())`` keeps: state per parameter (FSDP1's
 ``use_orig_params`` layout), Adam's step count and bias correction included.
 
-The rule for parameters that got no gradient lives here too. Before each step every piece's
-``grad`` is pointed at its piece of the master's gradient (a view, no copy), or set to None when
-no rank gave that parameter a gradient (``unit.unused``: the engine reads it from the sign of
-zero after backward, see ``flat.py``). A torch optimizer skips a parameter whose ``grad`` is
-None, so such a parameter does not move and its state (moments, step count) waits unchanged,
-as in one process. After the step the pieces let go of the gradient again, so ``zero_grad``
-frees it.
+The optimizer's side of the rule for parameters that got no gradient (``missing_grads.py``)
+lives here. Before each step every piece's ``grad`` is pointed at its piece of the master's
+gradient (a view, no copy), or set to None when no rank gave that parameter a gradient
+(``unit.unused``, read from the sign of zero after backward). A torch optimizer skips a
+parameter whose ``grad`` is None, so it does not move and its state (moments, step count)
+waits unchanged, as in one process. After the step the pieces let go of the gradient again,
+so ``zero_grad`` frees it.
 """
 
 from __future__ import annotations
