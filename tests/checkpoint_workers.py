@@ -170,3 +170,62 @@ def make_model_wider() -> nn.Module:
     block = model.blocks[1]
     block.fc, block.out = nn.Linear(32, 130), nn.Linear(130, 32)
     return model
+
+
+def _as_version_1(meta: dict) -> dict:
+    """The metadata format version 1 wrote for the same shard files (they did not change): the
+    scalars (``step``) once per unit, taken from its most-stepped parameter (version 1 stepped a
+    unit's one flat shard whenever any of its parameters had a gradient), none per parameter."""
+    for unit in meta["units"]:
+        stepped = [s for s in (p.pop("state") for p in unit["params"]) if s is not None]
+        unit["state_scalars"] = max(stepped, key=lambda s: s["step"]["value"]) if stepped else {}
+    meta["version"] = 1
+    return meta
+
+
+def _steps(model, opt) -> dict[str, float]:
+    """Each parameter's AdamW step count, for the pieces this rank holds."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: state["step"].item() for unit, states in zip(opt.units, opt.piece_state())
+            for p, state in zip(unit.params, states) if state}
+
+
+def moe_steps_survive(path: str, configs: list[dict]):
+    """Expert 0 of a one-unit MoE block gets no gradient at step 0, so after 2 steps its AdamW step
+    count is 1 and its unit-mates' 2. Save at stage 3; for each config load the checkpoint (and a
+    version-1 copy of it) into a fresh model, record the step counts, train steps 2-3."""
+    import json
+
+    import unused_workers as uw
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cls, kw = OPTIMIZERS["adamw"]
+
+    def build(seed=0, stage=3, units=uw.MoEBlock):
+        return shardlab.parallelize(uw.make_net("moe-unit-late", seed), stage=stage, optimizer_cls=cls, units=units, **kw)
+
+    def train(model, opt, first, last):
+        for step in range(first, last):
+            (batch,) = uw.micro_batches("moe-unit-late", step, rank, world_size)
+            uw.loss_of(model, *batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, 0, 2)
+    shardlab.save_checkpoint(model, opt, path)
+    v1 = Path(path + "-v1")
+    if rank == 0:
+        shutil.copytree(path, v1)
+        (v1 / "metadata.json").write_text(json.dumps(_as_version_1(json.loads((v1 / "metadata.json").read_text()))))
+    comm.all_reduce(torch.zeros(1))  # the copy exists before anyone reads it
+    out = []
+    for cfg in configs:
+        for version, where in ((2, path), (1, str(v1))):
+            fresh, fresh_opt = build(seed=5, **cfg)
+            meta = shardlab.load_checkpoint(fresh, fresh_opt, where)
+            loaded, steps = shardlab.full_state_dict(fresh), _steps(fresh, fresh_opt)
+            train(fresh, fresh_opt, 2, 4)
+            out.append(dict(cfg=cfg, version=version, meta=meta, steps=steps, loaded=loaded,
+                            resumed=shardlab.full_state_dict(fresh)))
+    return out

@@ -89,6 +89,7 @@ def measure_stage(stage: int, *, prefetch: bool = True, checkpointing: bool = Fa
         stage=stage, rank=rank, world_size=world_size,
         numel=[u.numel for u in engine.units], padded=[u.padded_numel for u in engine.units],
         unit_names=[u.name for u in engine.units],
+        pieces_here=sum(b > a for u in engine.units for a, b in u.ranges(u.master)),  # params with elements here
         rest=dict(rest), after_zero_grad=dict(after_zero_grad),
         peak=mem.peak, peak_activations=mem.peak_of("activations"), peak_gathered=mem.peak_of("gathered"),
         peak_grads=mem.peak_of("grads"),

@@ -151,3 +151,32 @@ def test_bad_input_gives_clear_errors_on_every_rank(tmp_path):
             got_kind, message = errors[case]
             assert got_kind == kind and all(w in message for w in words), (case, errors[case])
         assert untouched, "a failed load changes nothing"
+
+
+def test_each_parameter_keeps_its_own_step_count_and_version_1_still_loads(tmp_path, parity_log):
+    """Expert 0 of a one-unit MoE block skipped step 0: its AdamW step count (1) is not its unit's
+    (2). The checkpoint (format version 2) keeps it per parameter, so training resumed at other
+    stages and another unit split still matches one process. A version-1 checkpoint (one count per
+    unit, crafted from the same shard files) still loads: each parameter takes its unit's count."""
+    import unused_workers as uw
+
+    configs = [dict(stage=3), dict(stage=0), dict(stage=1, units=None)]  # None: each expert its own unit
+    per_rank = run_ranks(checkpoint_workers.moe_steps_survive, 2, str(tmp_path / "ckpt"), configs,
+                         timeout=120 * SLOWDOWN)
+    meta = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
+    assert meta["version"] == 2 and meta["step"] == 2.0
+    saved_steps = {p["name"]: p["state"]["step"]["value"] for u in meta["units"] for p in u["params"]}
+    assert {n for n, s in saved_steps.items() if s == 1.0} == {"blocks.1.experts.0.weight", "blocks.1.experts.0.bias"}
+    assert set(saved_steps.values()) == {1.0, 2.0}
+    one_process = uw.reference("moe-unit-late", "adamw", 2)[-1]
+    for i, run in enumerate(per_rank[0]):
+        steps = {n: s for r in per_rank for n, s in r[i]["steps"].items()}  # each rank holds some pieces
+        assert all(bit_exact(r[i]["loaded"], per_rank[0][i - i % 2]["loaded"]) for r in per_rank), run["cfg"]
+        if run["version"] == 2:
+            assert steps == saved_steps, run["cfg"]
+            diff = max_diff(run["resumed"], one_process)
+            parity_log(f"checkpoint moe-unit-late, stage 3 -> {run['cfg']}", diff)
+            assert diff < FP32_TOL, (run["cfg"], diff)
+        else:
+            assert run["meta"]["version"] == 1
+            assert steps == dict.fromkeys(saved_steps, 2.0), run["cfg"]  # the MoE unit's count, for expert 0 too

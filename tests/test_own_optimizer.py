@@ -11,7 +11,7 @@ from shardlab.launch import run_ranks
 
 def test_fsdp2_loop_equals_the_returned_optimizer_bit_for_bit():
     """torch.optim.AdamW(model.parameters()) at stage 3 steps the same elements with the same
-    arithmetic as the returned optimizer (one tensor per unit shard): elementwise, so equal."""
+    arithmetic as the returned optimizer (one tensor per parameter piece too), so equal."""
     configs = [dict(), dict(optimizer="sgd"), dict(clip=0.05), dict(mixed_precision=torch.bfloat16)]
     for per_rank in run_ranks(ow.fsdp2_loop_vs_returned, 3, configs, timeout=slowdown(180)):
         for cfg, (returned, own) in zip(configs, per_rank):
@@ -52,9 +52,10 @@ def test_memory_report_counts_every_byte_once_with_either_optimizer():
         for category in ("params", "grads", "gathered", "frozen", "buffers"):
             assert returned[category] == own[category], category  # p and p.grad are views: no new bytes
         assert returned["params"] == 4 * layout["shard"]
-        # AdamW: two fp32 moments per element it steps, plus one 4-byte step per tensor
-        assert returned["optimizer"] == 8 * layout["shard"] + 4 * layout["units"]
-        # no padding; a step per parameter, an empty piece included (it has its empty gradient)
+        # AdamW: two fp32 moments per element it steps, plus one 4-byte step per tensor. Both step
+        # one tensor per parameter piece, so no padding; the returned optimizer skips empty pieces,
+        # yours steps them too (each has its empty gradient), so it keeps a step per parameter
+        assert returned["optimizer"] == 8 * layout["real"] + 4 * layout["pieces"]
         assert own["optimizer"] == 8 * layout["real"] + 4 * layout["params"]
         for report in (returned, own):
             assert report["total"] == sum(v for k, v in report.items() if k not in ("total", "padding"))

@@ -52,34 +52,27 @@ def test_unused_parameters_with_your_own_optimizer_at_stage_3(parity_log):
     _check(configs, results, 2, parity_log, label="own optimizer ")
 
 
-def test_a_param_back_from_skipped_steps_in_a_shared_unit_warns_with_adamw(parity_log):
-    """Expert 0 is unused by every rank at step 0, then trains. In a one-unit MoE block SGD stays
-    exact, but AdamW keeps one step count per unit shard, so expert 0's bias correction drifts
-    from per-parameter AdamW: ``step()`` must say so, naming the param and the fix. With each
-    expert its own unit (the default) AdamW is exact and silent; so is a spare param that never
-    trains."""
+def test_a_param_back_from_skipped_steps_in_a_shared_unit_matches_adamw(parity_log):
+    """Expert 0 is unused by every rank at step 0, then trains. Inside a one-unit MoE block
+    (``moe-unit-late``) it shares its unit's flat master, but the optimizer steps one piece per
+    parameter, so its AdamW step count (bias correction) is its own, as in one process: no drift,
+    and nothing to warn about. (With one step count per unit shard it drifted by 4.8e-4.)"""
     configs = [dict(case=case, stage=stage, optimizer=opt)
                for case in ("moe-unit-late", "moe-late") for stage in range(4) for opt in ("adamw", "sgd")]
     configs.append(dict(case="spare", stage=2, optimizer="adamw"))
     results = run_ranks(uw.train_warned, 2, configs, timeout=slowdown(240))
     for i, cfg in enumerate(configs):
         states = results[0][i][0]
-        warned = [m for r in range(2) for m in results[r][i][1] if "skipping steps" in m]
+        warned = [m for r in range(2) for m in results[r][i][1]]
         diff = max(max_diff(s, ref) for s, ref in zip(states, uw.reference(cfg["case"], cfg["optimizer"], 2)))
         parity_log(f"ws=2 {cfg['case']:16} stage {cfg['stage']} {cfg['optimizer']:5} warned={bool(warned)}", diff)
-        if cfg["case"] == "moe-unit-late" and cfg["optimizer"] == "adamw":
-            assert diff > FP32_TOL, (cfg, diff)  # the drift the warning is about is real
-            assert warned and all("blocks.1.experts.0." in m and "units=" in m for m in warned), (cfg, warned)
-            assert all(len([m for m in results[r][i][1] if "skipping steps" in m]) <= 1 for r in range(2))
-        else:
-            assert diff < FP32_TOL and not warned, (cfg, diff, warned)
+        assert diff < FP32_TOL and not warned, (cfg, diff, warned)
 
 
 def test_sharded_optimizer_leaves_params_without_grad_alone_as_zero_redundancy_does(parity_log):
     """Under DDP a param no rank used keeps ``grad = None``; ZeroRedundancyOptimizer's inner
-    optimizer skips it, and so must ShardedOptimizer's one flat shard (AdamW's weight decay
-    used to move it). A param back from skipped steps ('odd', AdamW) shares the flat buffer's
-    step count: that drift is real, and ``step()`` warns about it."""
+    optimizer skips it, and so must ShardedOptimizer (AdamW's weight decay used to move it). A
+    param back from skipped steps ('odd', AdamW) keeps its own step count, as there."""
     configs = [dict(case=case, system=system, optimizer=opt) for case in ("spare", "odd")
                for system in ("zero_redundancy", "sharded_optimizer") for opt in ("adamw", "sgd")]
     results = run_ranks(uw.train_ddp, 2, configs, timeout=slowdown(240))
@@ -87,13 +80,10 @@ def test_sharded_optimizer_leaves_params_without_grad_alone_as_zero_redundancy_d
         states = results[0][i][0]
         for r in range(1, 2):
             assert max_diff(results[r][i][0][-1], states[-1]) == 0.0, cfg
-        warned = [m for r in range(2) for m in results[r][i][1] if "skipping steps" in m]
+        warned = [m for r in range(2) for m in results[r][i][1]]
         diff = max(max_diff(s, ref) for s, ref in zip(states, uw.reference(cfg["case"], cfg["optimizer"], 2)))
         parity_log(f"ws=2 DDP + {cfg['system']:17} {cfg['case']:5} {cfg['optimizer']:5} warned={bool(warned)}", diff)
-        if (cfg["case"], cfg["system"], cfg["optimizer"]) == ("odd", "sharded_optimizer", "adamw"):
-            assert diff > FP32_TOL and warned and "param #" in warned[0], (cfg, diff, warned)
-        else:
-            assert diff < FP32_TOL and not warned, (cfg, diff, warned)
+        assert diff < FP32_TOL and not warned, (cfg, diff, warned)
 
 
 def test_a_never_used_parameter_keeps_grad_none_and_its_value():

@@ -172,7 +172,8 @@ def stage_memory(stage: int, size: str = "small", batch_size: int = 4, *, precis
     out = dict(stage=stage, world_size=engine.world_size, psi=sum(u.numel for u in engine.units),
                padded=sum(u.padded_numel for u in engine.units), after_backward=after_backward,
                rest=dict(memory_report(model, optimizer)), peak=mem.peak["total"],
-               peak_parts=dict(mem.peak["bytes"]), device=str(device or "cpu"))
+               peak_parts=dict(mem.peak["bytes"]), device=str(device or "cpu"),
+               stepped=len(optimizer.state))  # parameters (pieces) with AdamW state: a step counter each
     if cuda:
         torch.cuda.synchronize(device)
         out.update(cuda_rest=torch.cuda.memory_allocated(device) - base,

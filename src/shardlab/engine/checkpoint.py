@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import glob
 import importlib.metadata
-import json
 import os
 import shutil
 import uuid
@@ -49,12 +48,16 @@ from shardlab.engine.checkpoint_format import (
     describe_units,
     dtype_name,
     dumps,
+    flat_state,
     jsonable,
+    last_step,
+    local_state,
+    merge_states,
     read_metadata,
     read_range,
     shard_file,
-    split_state,
 )
+from shardlab.engine.per_param import PerParamOptimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
@@ -76,18 +79,15 @@ def _agree(error: Exception | None, what: str, value=None) -> list:
     return [v for _, v in reports]
 
 
-def _inner_optimizer(engine, optimizer):
-    """The torch optimizer stepping this rank's masters, or None to save/load weights only."""
+def _optimizer(engine, optimizer) -> PerParamOptimizer | None:
+    """The optimizer stepping this rank's masters (one piece per parameter), or None: weights only."""
     if optimizer is None:
         return None
-    inner = getattr(optimizer, "inner", None)
-    masters = [u.master for u in engine.units]
-    params = [p for g in inner.param_groups for p in g["params"]] if isinstance(inner, torch.optim.Optimizer) else []
-    if len(params) != len(masters) or any(p is not m for p, m in zip(params, masters)):
+    if not (isinstance(optimizer, PerParamOptimizer) and optimizer.units == engine.units):
         raise TypeError(
             f"checkpoints need the optimizer that shardlab.parallelize returned with this model "
             f"(or optimizer=None for the weights only); got {type(optimizer).__name__}")
-    return inner
+    return optimizer
 
 
 def _replicated(model: nn.Module, engine) -> dict[str, torch.Tensor]:
@@ -119,20 +119,25 @@ def save_checkpoint(model: nn.Module, optimizer, path) -> Path:
     must see one filesystem (one machine, or a shared file system).
     """
     engine = engine_of(model)
-    inner = _inner_optimizer(engine, optimizer)
+    opt = _optimizer(engine, optimizer)
     path = Path(path).absolute()
     token = comm.gather_lists([uuid.uuid4().hex[:12]])[0]  # rank 0's: one name on every rank
     tmp = path.parent / f".{path.name}.tmp-{token}"
-    name, error, size = shard_file(engine.rank, engine.world_size), None, 0
+    name, error, size, mine = shard_file(engine.rank, engine.world_size), None, 0, None
+    try:  # first every rank learns which state keys exist anywhere: each shard file holds them all
+        mine = local_state(model, engine, opt)
+    except Exception as e:  # noqa: BLE001 - reported to every rank just below
+        error = e
+    kinds, scalars = merge_states(_agree(error, f"saving {path}", value=mine))
+    error = None
     try:
         if path.exists() and not (path / METADATA).is_file():
             raise CheckpointError(f"{path} exists and is not a ShardLab checkpoint; refusing to replace it")
         tmp.mkdir(parents=True, exist_ok=True)
         units = {}
-        for unit in engine.units:
-            tensors, _ = split_state(unit, inner.state.get(unit.master, {}) if inner is not None else {})
-            units[unit.name] = {"weights": _my_slice(unit, unit.master),
-                                "state": {k: _my_slice(unit, v) for k, v in tensors.items()}}
+        for unit, states in zip(engine.units, opt.piece_state() if opt is not None else [[]] * len(engine.units)):
+            units[unit.name] = {"weights": _my_slice(unit, unit.master), "state": {
+                k: _my_slice(unit, flat_state(unit, states, k, dtype)) for k, dtype in kinds.get(unit.name, {}).items()}}
         size = _save_file({"units": units}, tmp / name)
     except Exception as e:  # noqa: BLE001 - reported to every rank just below
         error = e
@@ -140,7 +145,7 @@ def save_checkpoint(model: nn.Module, optimizer, path) -> Path:
     error = None
     if engine.rank == 0:
         try:
-            _write_metadata(model, engine, inner, tmp, dict(sizes))
+            _write_metadata(model, engine, opt, describe_units(model, engine, kinds, scalars), tmp, dict(sizes))
             _swap_into_place(tmp, path, token)
         except Exception as e:  # noqa: BLE001
             error = e
@@ -148,14 +153,13 @@ def save_checkpoint(model: nn.Module, optimizer, path) -> Path:
     return path
 
 
-def _write_metadata(model, engine, inner, tmp: Path, files: dict[str, int]) -> None:
+def _write_metadata(model, engine, opt, units: list[dict], tmp: Path, files: dict[str, int]) -> None:
+    inner = opt.inner if opt is not None else None
     replicated = {name: t.detach().to("cpu", copy=True) for name, t in _replicated(model, engine).items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups] if inner is not None else None
     files[REPLICATED] = _save_file({"tensors": replicated, "param_groups": groups}, tmp / REPLICATED)
-    units = describe_units(model, engine, inner)
-    step = next((u["state_scalars"]["step"]["value"] for u in units if "step" in u["state_scalars"]), None)
     meta = dict(
-        format=FORMAT, version=VERSION, world_size=engine.world_size, stage=engine.stage, step=step,
+        format=FORMAT, version=VERSION, world_size=engine.world_size, stage=engine.stage, step=last_step(units),
         torch=torch.__version__, shardlab=importlib.metadata.version("shardlab"),
         param_dtype=dtype_name(engine.units[0].params[0].dtype),
         optimizer=None if inner is None else dict(
@@ -186,17 +190,17 @@ def load_checkpoint(model: nn.Module, optimizer, path) -> dict:
     be split differently); the optimizer, the same class as the one saved (None: weights only).
     """
     engine = engine_of(model)
-    inner = _inner_optimizer(engine, optimizer)
+    opt = _optimizer(engine, optimizer)
     path = Path(path).absolute()
     error, plan = None, None
     try:
-        plan = _read(model, engine, inner, path)
+        plan = _read(model, engine, opt.inner if opt is not None else None, path)
     except Exception as e:  # noqa: BLE001 - reported to every rank just below
         error = e
     # which units hold full parameters (stages 0-2) that must be refreshed: one answer for all ranks
     holds_full = [any(per_rank) for per_rank in zip(*_agree(error, f"loading {path}",
                                                              value=[_holds_full(u) for u in engine.units]))]
-    _apply(model, engine, inner, holds_full, *plan)
+    _apply(model, engine, opt, holds_full, *plan)
     return plan[0]
 
 
@@ -221,6 +225,7 @@ def _read(model, engine, inner, path: Path):
     meta = read_metadata(path)
     where = {p["name"]: (u, p["offset"]) for u in meta["units"] for p in u["params"]}
     shapes = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
+    scalars = {p["name"]: p["state"] for u in meta["units"] for p in u["params"]}  # None: never stepped
     names = {id(p): name for name, p in model.named_parameters()}
     mine = {names[id(p)]: tuple(s) for unit in engine.units for p, s in zip(unit.params, unit.shapes)}
     compare_shapes("trainable parameter", mine, shapes, path)
@@ -246,24 +251,22 @@ def _read(model, engine, inner, path: Path):
         pnames = [names[id(p)] for p in unit.params]
         lo, hi = _master_range(engine, unit)
         weights = read_range(reader, where, pnames, unit, "weights", lo, hi, unit.master.dtype)
-        state = {}
+        states = [None] * len(pnames)  # per parameter: its piece's optimizer state, None if never stepped
         if inner is not None:
-            saved = {id(u): u for u in (where[n][0] for n in pnames)}.values()
-            kinds = {(tuple(u["state_tensors"].items()), json.dumps(u["state_scalars"])) for u in saved}
-            if len(kinds) > 1:
-                raise CheckpointError(f"unit {unit.name!r}: its parameters come from saved units with different "
-                                      f"optimizer state ({sorted(u['name'] for u in saved)})")
-            first = next(iter(saved))
-            for key, dtype in first["state_tensors"].items():
-                state[key] = read_range(reader, where, pnames, unit, key, lo, hi, getattr(torch, dtype))
-            state |= first["state_scalars"]  # decoded on apply
-        units.append((weights, state))
+            stepped = [n if scalars[n] is not None else None for n in pnames]
+            keys = {k: t for n in stepped if n is not None for k, t in where[n][0]["state_tensors"].items()}
+            flats = {k: unit.pieces(read_range(reader, where, stepped, unit, k, lo, hi, getattr(torch, t)))
+                     for k, t in keys.items()}
+            for i, (n, (a, b)) in enumerate(zip(stepped, unit.ranges(weights))):
+                if n is not None and b > a:  # (an empty piece is never stepped)
+                    states[i] = {k: pieces[i].clone() for k, pieces in flats.items()} | scalars[n]
+        units.append((weights, states))
     return meta, replicated, units
 
 
 @torch.no_grad()
-def _apply(model, engine, inner, holds_full, meta, replicated, units) -> None:
-    for unit, full_params, (weights, state) in zip(engine.units, holds_full, units):
+def _apply(model, engine, opt, holds_full, meta, replicated, units) -> None:
+    for i, (unit, full_params, (weights, states)) in enumerate(zip(engine.units, holds_full, units)):
         device = unit.master.device
         weights = weights.to(device)
         if full_params:  # gather the new shards, one unit at a time, into the full (maybe bf16) params
@@ -273,18 +276,19 @@ def _apply(model, engine, inner, holds_full, meta, replicated, units) -> None:
             unit.load(unit.views(weights))
         else:
             unit.master.copy_(weights)
-        if inner is not None:
-            group = inner.param_groups[0]
+        if opt is not None:
+            group = opt.inner.param_groups[0]
             scalar_device = device if group.get("capturable") or group.get("fused") else "cpu"
-            inner.state.pop(unit.master, None)
-            if state:  # (no state: the optimizer had not stepped when it was saved)
-                inner.state[unit.master] = {
-                    k: v.to(device) if torch.is_tensor(v) else decode_scalar(v, scalar_device) for k, v in state.items()}
+            for piece, state in zip(opt.pieces[i], states):
+                opt.inner.state.pop(piece, None)
+                if state is not None:  # (None: this parameter had not stepped when it was saved)
+                    opt.inner.state[piece] = {k: v.to(device) if torch.is_tensor(v) else decode_scalar(v, scalar_device)
+                                              for k, v in state.items()}
     own = _replicated(model, engine)
     for name, t in replicated["tensors"].items():
         own[name].copy_(t)
-    if inner is not None:
-        for group, hyper in zip(inner.param_groups, replicated["param_groups"]):
+    if opt is not None:
+        for group, hyper in zip(opt.inner.param_groups, replicated["param_groups"]):
             for k, v in hyper.items():
                 if torch.is_tensor(group.get(k)) and torch.is_tensor(v):
                     group[k].copy_(v)

@@ -19,7 +19,8 @@ gradients that exist, divided by N. Flat shards make two things hard:
    sign of zero (:func:`check_backend_keeps_sign`).
 
 After backward :func:`mark_unused` lists a unit's unused params; they keep ``grad = None``, and
-the optimizers step around them (``unused.py``).
+the optimizers, which step one piece per parameter, give their pieces no gradient, so torch's
+optimizer skips them (``per_param.py``).
 """
 
 from __future__ import annotations

@@ -17,50 +17,35 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardlab.engine import events
 from shardlab.engine.base import Engine
-from shardlab.engine.unused import HeldBack
+from shardlab.engine.per_param import PerParamOptimizer
 
 _guarded: weakref.WeakSet = weakref.WeakSet()  # engines whose params' .grad stays None
 
 
-class StageOptimizer(torch.optim.Optimizer):
+class StageOptimizer(PerParamOptimizer):
     """The optimizer ``parallelize`` returns: ``optimizer_cls`` on this rank's masters.
 
     ``step()`` runs the wrapped optimizer on whatever the stage gave it (the whole model at
-    stage 0, one shard per unit at stages 1-3), then lets the stage bring the new weights back.
-    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers just work.
-    A master that mixes used and unused params is stepped whole, then its unused elements (and
-    their optimizer state) are put back: they do not move, as with a per-parameter optimizer
-    (``unused.py``).
+    stage 0, one shard per unit at stages 1-3), cut into one piece per parameter
+    (``per_param.py``), then lets the stage bring the new weights back. So each parameter keeps
+    its own state, as with ``torch.optim`` on ``model.parameters()``, and one that got no
+    gradient is not stepped.
     """
 
     def __init__(self, engine: Engine, optimizer_cls, **kwargs):
         self.engine = engine
-        self.inner = optimizer_cls([u.master for u in engine.units], **kwargs)
-        super().__init__([u.master for u in engine.units], self.inner.defaults)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-        self.held_back = HeldBack(self.inner, {id(p): n for n, p in engine.model.named_parameters()})
+        super().__init__(engine.units, optimizer_cls, **kwargs)
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("step(closure) is not supported: compute the loss, call backward(), then step()")
         events.set_phase("step")
         events.emit("step_start")
-        held = [self.held_back.hold(unit) for unit in self.engine.units]
-        self.inner.step()
-        for unit, kept in zip(self.engine.units, held):
-            self.held_back.put_back(unit, kept)
+        super().step(closure)
         self.engine.step()
         events.emit("step_end")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.inner.load_state_dict(state_dict)
 
 
 def guard(engine: Engine) -> None:

@@ -9,8 +9,10 @@ over ranks (for example by DDP or by ``parallelize(model, stage=0)``)::
 Unlike it, the parameters are flattened into one padded buffer and every rank owns one equal
 contiguous shard (``ZeroRedundancyOptimizer`` hands out whole parameters, so its shards are
 uneven). ``step()`` runs the wrapped optimizer on this rank's shard only, then all-gathers
-the updated shards so every rank holds all the new weights. A parameter whose ``grad`` is None
-(unused, on every rank under DDP) does not move, as with a per-parameter optimizer (``unused.py``).
+the updated shards so every rank holds all the new weights. The wrapped optimizer steps one
+piece per parameter (``per_param.py``), so each keeps its own state (Adam's step count too),
+and a parameter whose ``grad`` is None (unused, on every rank under DDP) does not move, as with
+``ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch.nn as nn
 
 from shardlab.engine import comm
 from shardlab.engine.flat import FlatUnit
-from shardlab.engine.unused import HeldBack
+from shardlab.engine.per_param import PerParamOptimizer
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(PerParamOptimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs a process group: call torch.distributed.init_process_group()")
@@ -37,10 +39,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # writes every parameter at once.
         self.unit = FlatUnit("params", params, rank=dist.get_rank(), world_size=dist.get_world_size())
         self.unit.master = nn.Parameter(self.unit.my_shard(self.unit.full))
-        self.inner = optimizer_cls([self.unit.master], **kwargs)
-        super().__init__([self.unit.master], self.inner.defaults)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-        self.held_back = HeldBack(self.inner)
+        super().__init__([self.unit], optimizer_cls, **kwargs)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -49,17 +48,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         unit = self.unit
         grad = unit.my_shard(unit.pack_grads(unit.full.dtype))  # -0.0 where a param's grad is None
         unit.master.grad = unit.mark_unused(grad)
-        kept = self.held_back.hold(unit)
-        self.inner.step()
-        self.held_back.put_back(unit, kept)
+        super().step()
         comm.all_gather(unit.full, unit.master, unit="params")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.unit.master.grad = None
         self.unit.set_param_grads(None)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.inner.load_state_dict(state_dict)

@@ -97,12 +97,11 @@ def _tally(model: nn.Module, optimizer=None, include_constant: bool = True) -> _
             if p.requires_grad:
                 tally.add("params", p)
                 tally.add("grads", p.grad)
-    if optimizer is not None:
-        owner = {id(u.master): u for u in engine.units} if engine is not None else {}
-        for p, state in _inner(optimizer).state.items():
+    if optimizer is not None:  # per parameter (piece): no padding in it
+        for state in _inner(optimizer).state.values():
             for v in state.values():
                 if torch.is_tensor(v):
-                    tally.add("optimizer", v, owner.get(id(p)) if v.numel() > 1 else None)
+                    tally.add("optimizer", v)
     frozen = [p for p in model.parameters() if not p.requires_grad] if include_constant else []
     for category, tensors in (("frozen", frozen), ("buffers", model.buffers() if include_constant else ())):
         for t in tensors:  # kept whole at every stage
