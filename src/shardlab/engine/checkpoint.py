@@ -197,19 +197,12 @@ def load_checkpoint(model: nn.Module, optimizer, path) -> dict:
         plan = _read(model, engine, opt.inner if opt is not None else None, path)
     except Exception as e:  # noqa: BLE001 - reported to every rank just below
         error = e
-    # which units hold full parameters (stages 0-2) that must be refreshed: one answer for all ranks
+    # which units hold full parameters (stages 0-2, a gathered stage-3 unit) that must be
+    # refreshed too: the units say, and every rank takes one answer
     holds_full = [any(per_rank) for per_rank in zip(*_agree(error, f"loading {path}",
-                                                             value=[_holds_full(u) for u in engine.units]))]
+                                                             value=[u.holds_full for u in engine.units]))]
     _apply(model, engine, opt, holds_full, *plan)
     return plan[0]
-
-
-def _holds_full(unit) -> bool:
-    """Stages 0-2 (and a gathered stage-3 unit) hold the full weights, which must be refreshed too.
-
-    (A freed stage-3 parameter keeps its full shape over an empty storage.)
-    """
-    return all(p.shape == s and p.untyped_storage().size() > 0 for p, s in zip(unit.params, unit.shapes))
 
 
 def _master_range(engine, unit) -> tuple[int, int]:
