@@ -153,13 +153,18 @@ GPUS = {g.name: g for g in (
 )}
 
 
+def _lookup(table: dict, value, kind: type, what: str):
+    """``value`` itself if it is already a ``kind``, else its entry in ``table`` (case-insensitive)."""
+    if isinstance(value, kind):
+        return value
+    key = str(value).lower()
+    if key not in table:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {sorted(table)}")
+    return table[key]
+
+
 def gpu(name_or_gpu) -> GPU:
-    if isinstance(name_or_gpu, GPU):
-        return name_or_gpu
-    key = str(name_or_gpu).lower()
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU {name_or_gpu!r}; choose one of {sorted(GPUS)}")
-    return GPUS[key]
+    return _lookup(GPUS, name_or_gpu, GPU, "GPU")
 
 
 #: Links inside a node (per GPU, per direction) and NICs between nodes (per NIC, per direction).
@@ -178,12 +183,7 @@ NVLINK_FOR = {"v100": "nvlink3", "a100": "nvlink3", "a100-40gb": "nvlink3", "h10
 
 
 def network(name_or_link) -> Link:
-    if isinstance(name_or_link, Link):
-        return name_or_link
-    key = str(name_or_link).lower()
-    if key not in NETWORKS:
-        raise ValueError(f"unknown network {name_or_link!r}; choose one of {sorted(NETWORKS)}")
-    return NETWORKS[key]
+    return _lookup(NETWORKS, name_or_link, Link, "network")
 
 
 @dataclass(frozen=True)

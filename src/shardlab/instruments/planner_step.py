@@ -73,6 +73,17 @@ def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost,
     t = 0.0
     pending = []  # finish times of transfers the step must wait for
     sharded_params = stage in ("zero3", "hsdp")
+
+    def borrow(order, i, t, ready):
+        """Gather unit ``i`` of ``order`` (unless prefetched), wait for it, prefetch the next."""
+        u = order[i]
+        if u.name not in ready:
+            ready[u.name] = link.send(t, cost("all_gather", u.params))
+        t = max(t, ready[u.name])
+        if prefetch and i + 1 < len(order):
+            ready[order[i + 1].name] = link.send(t, cost("all_gather", order[i + 1].params))
+        return t
+
     for micro in range(grad_accum):
         last = micro == grad_accum - 1
         # forward
@@ -80,12 +91,7 @@ def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost,
         order = [root, *blocks]
         for i, u in enumerate(order):
             if sharded_params:
-                if u.name not in ready:
-                    ready[u.name] = link.send(t, cost("all_gather", u.params))
-                t = max(t, ready[u.name])
-                if prefetch and i + 1 < len(order):
-                    nxt = order[i + 1]
-                    ready[nxt.name] = link.send(t, cost("all_gather", nxt.params))
+                t = borrow(order, i, t, ready)
             t += u.fwd_s
         # backward: the head's gradient first, then the blocks in reverse; the root's
         # gradients are complete only after the embedding, at the very end
@@ -94,12 +100,7 @@ def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost,
         back = blocks[::-1]
         for i, u in enumerate(back):
             if sharded_params:
-                if u.name not in ready:
-                    ready[u.name] = link.send(t, cost("all_gather", u.params))
-                t = max(t, ready[u.name])
-                if prefetch and i + 1 < len(back):
-                    nxt = back[i + 1]
-                    ready[nxt.name] = link.send(t, cost("all_gather", nxt.params))
+                t = borrow(back, i, t, ready)
             t += u.bwd_s
             pending += _reduce(u, stage, last, t, link, net, cost, cross)
         pending += _reduce(root, stage, last, t, link, net, cost, cross)
