@@ -1,4 +1,4 @@
-"""Run a lab's checks on fresh ranks, once per test module, at each world size the command line
+"""Run a lab's checks on fresh ranks, once per lab, at each world size the command line
 uses (4 and 3): the notebook's solution, its stubs, the correct alternatives and the wrong
 solutions a lab's ``labN_mistakes.py`` lists (each must get the hint naming its mistake)."""
 

@@ -1,6 +1,6 @@
 """The labs' machinery: one source per lab, the command line, time limits, the notebook's check().
 
-The per-lab checkers are tested with wrong solutions in test_labs_lab*.py.
+The per-lab checkers are tested with wrong solutions in test_labs_checks.py.
 """
 
 from __future__ import annotations
