@@ -252,3 +252,21 @@ def test_every_markdown_link_in_the_sources_became_a_link_or_text():
     leftovers = [str(p.relative_to(site)) for p in site.rglob("*.html") if "_static" not in p.parts
                  and re.search(r"\]\((?!http)[^)\s]+\.(md|ipynb)\)", p.read_text(encoding="utf-8"))]
     assert not leftovers, f"unrendered markdown links in {leftovers}"
+
+
+def test_no_page_shows_raw_table_markup():
+    """A Markdown table the renderer did not turn into a table shows as a paragraph of pipes.
+
+    MyST-NB renders a cell's ``text/markdown`` output as CommonMark, which has no tables, so such
+    output must be HTML (as :func:`shardlab.course.stacks.show` gives). Code blocks may show pipes.
+    """
+    site = _site_or_skip()
+    raw = re.compile(r"\|\s*:?-{3,}:?\s*\|")
+    broken = []
+    for page in site.rglob("*.html"):
+        if "_static" in page.parts:
+            continue
+        html = re.sub(r"<pre.*?</pre>", "", page.read_text(encoding="utf-8"), flags=re.S)
+        if raw.search(html):
+            broken.append(str(page.relative_to(site)))
+    assert not broken, f"raw Markdown table markup on {broken}"

@@ -92,3 +92,12 @@ def test_markdown_has_one_line_per_row_and_every_link():
         for key in stacks.STACKS:
             if row[key]:
                 assert f"]({row[key][1]})" in text
+
+
+def test_html_table_has_every_row_and_link():
+    """The notebook shows the HTML table (the website renders Markdown output as a paragraph)."""
+    page = stacks.html()
+    assert page.count("<tr>") == 1 + len(stacks.ROWS)
+    links = sum(row[k] is not None for row in stacks.ROWS for k in stacks.STACKS)
+    assert page.count("<a href=") == links
+    assert "`" not in page and "|" not in page.replace("\\|", "")

@@ -12,6 +12,8 @@ forward to backward but still shard them between steps, while ZeRO-2 keeps whole
 
 from __future__ import annotations
 
+import re
+
 STACKS = {
     "deepspeed": "DeepSpeed (JSON config)",
     "fsdp2": "PyTorch FSDP2 (`fully_shard`)",
@@ -138,14 +140,36 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+def html() -> str:
+    """The same table as HTML, for notebook and website output.
+
+    MyST-NB (the website) renders a cell's ``text/markdown`` output as CommonMark, which has no
+    tables: the Markdown table came out as one paragraph of pipes. HTML renders the same in
+    JupyterLab and on the site.
+    """
+    from html import escape
+
+    def cell(value) -> str:
+        return "—" if value is None else f'<a href="{escape(value[1])}"><code>{escape(value[0].replace("`", ""))}</code></a>'
+
+    def name(text: str) -> str:  # the headers' `code` spans, as HTML
+        return re.sub(r"`([^`]+)`", r"<code>\1</code>", escape(text))
+
+    head = "".join(f"<th>{name(n)}</th>" for n in ("ShardLab", *STACKS.values()))
+    body = "".join(
+        f"<tr><td><code>{escape(row['shardlab'])}</code></td>" + "".join(f"<td>{cell(row[k])}</td>" for k in STACKS) + "</tr>"
+        for row in ROWS)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def show():
-    """Render :func:`markdown` in a notebook (plain text without IPython)."""
+    """Render the table in a notebook: HTML, with the Markdown as its plain-text fallback."""
     try:
-        from IPython.display import Markdown, display
+        from IPython.display import display
     except ImportError:  # pragma: no cover - the course always has IPython
         print(markdown())
         return
-    display(Markdown(markdown()))
+    display({"text/html": html(), "text/plain": markdown()}, raw=True)
 
 
 def torch_names() -> list[str]:
