@@ -22,9 +22,11 @@ What a learner calls is in :mod:`shardlab.course.quiz` (plain text) and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
+
+from shardlab.course import quiz_order
 
 BANKS = Path(__file__).with_name("quizzes")
 KINDS = ("single", "multiple", "numeric")
@@ -119,7 +121,24 @@ def _parse(path: Path) -> tuple[tuple[Question, ...], tuple[str, ...]]:
         if bad:
             raise ValueError(f"{name}.json: " + "; ".join(bad))
         out.append(q)
-    return tuple(out), tuple(data.get("draw", ()))
+    return tuple(shown(out)), tuple(data.get("draw", ()))
+
+
+def shown(qs: list[Question]) -> list[Question]:
+    """A bank's questions with their choices relabelled in the order a learner sees them:
+    shuffled, the same in every process, the keys' positions balanced (:mod:`quiz_order`)."""
+    asked = [q for q in qs if q.kind != "numeric"]
+    maps = iter(quiz_order.relabel([(q.id, list(q.choices), q.right_keys()) for q in asked]))
+    out = []
+    for q in qs:
+        if q.kind == "numeric":
+            out.append(q)
+            continue
+        new = next(maps)
+        choices = dict(sorted((new[k], v) for k, v in q.choices.items()))
+        answer = new[q.answer] if q.kind == "single" else sorted(new[k] for k in q.answer)
+        out.append(replace(q, choices=choices, answer=answer, feedback={new[k]: v for k, v in sorted(q.feedback.items(), key=lambda kv: new[kv[0]])}))
+    return out
 
 
 def all_questions() -> dict[str, Question]:
