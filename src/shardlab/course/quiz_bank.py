@@ -15,6 +15,11 @@ nested one); ``divide`` defaults to the unit's size (GB 1e9, GiB 2^30, MB 1e6, b
 may name ``"module": "parallelism_math"`` instead, with a ``shape`` (the fields of its
 ``Shape``, passed first) and an ``attr`` of the result to read before ``key``.
 
+A bank lists its choices in any order: on loading, each question's choices are relabelled a, b,
+c, ... in a shuffled order that is the same in every process, with the keys' positions balanced
+across the bank (:mod:`shardlab.course.quiz_order` says how). Everything after loading, the
+checks included, sees the letters a learner sees.
+
 What a learner calls is in :mod:`shardlab.course.quiz` (plain text) and
 :mod:`shardlab.course.quiz_widgets` (widgets); both build on this module, which imports neither.
 """
