@@ -27,11 +27,12 @@ What a learner calls is in :mod:`shardlab.course.quiz` (plain text) and
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
-from shardlab.course import quiz_order
+from shardlab.course import quiz_draw, quiz_order
 
 BANKS = Path(__file__).with_name("quizzes")
 KINDS = ("single", "multiple", "numeric")
@@ -53,6 +54,7 @@ class Question:
     check_yourself: bool = False  # one of the course's two check-yourself questions, word for word
     prediction: bool = False  # asks for a number or a trend before the learner has computed it
     source: dict | None = None
+    vary: dict | None = None  # a learner's own inputs for a numeric question (quiz_draw)
 
     def right_keys(self) -> set:
         return {self.answer} if self.kind == "single" else set(self.answer)
@@ -180,9 +182,27 @@ def _keys(choice) -> list[str]:
     return [str(c).strip().lower() for c in choice]
 
 
-def check(question_id: str, choice) -> Feedback:
+_learner: list[str] = []  # the name quiz.learner(...) set, if any
+
+
+def set_learner(name: str | None) -> None:
+    """Give the numeric questions this learner's own numbers from now on (None: the written ones)."""
+    _learner[:] = [str(name).strip()] if name and str(name).strip() else []
+
+
+def learner() -> str | None:
+    """The name numeric questions draw their inputs for: quiz.learner(...), else $SHARDLAB_LEARNER."""
+    return _learner[0] if _learner else (os.environ.get("SHARDLAB_LEARNER", "").strip() or None)
+
+
+def for_learner(q: Question, name: str | None = None) -> Question:
+    """``q`` with the numbers of learner ``name`` (default: :func:`learner`); as written without one."""
+    return quiz_draw.for_learner(q, name if name is not None else learner(), recompute)
+
+
+def check(question_id: str, choice, learner_name: str | None = None) -> Feedback:
     """Is ``choice`` right? Returns the feedback without printing (``answer`` prints it)."""
-    q = get(question_id)
+    q = for_learner(get(question_id), learner_name)
     if q.kind == "numeric":
         try:
             value = float(str(choice).replace(q.unit, "").strip()) if isinstance(choice, str) else float(choice)
