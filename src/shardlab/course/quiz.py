@@ -69,9 +69,17 @@ def use_widgets() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def _own_numbers_hint(qs) -> None:
+    """Tell a learner, once per quiz, how to get their own numbers (when a question has them)."""
+    if any(q.vary for q in qs) and not bank.learner():
+        print('Working in a group? quiz.learner("your name") gives you your own numbers in the '
+              "numeric questions, so that answers cannot be copied.\n")
+
+
 def show(name: str, widgets: bool | None = None):
     """Show every question of the bank ``name`` ("03" or "03_zero1_zero2"): widgets when possible, else plain text."""
     qs = [bank.for_learner(q) for q in bank.questions(name)]
+    _own_numbers_hint(qs)
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record)
@@ -81,6 +89,7 @@ def show(name: str, widgets: bool | None = None):
 def final(widgets: bool | None = None):
     """The final quiz (the ``final`` bank), with a running score."""
     qs = [bank.for_learner(q) for q in bank.start_final()]
+    _own_numbers_hint(qs)
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record, scored=True, score=bank.score)
