@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from shardlab.course import quiz, quiz_bank
+from shardlab.course import quiz, quiz_bank, quiz_draw
 
 BANKS = sorted(quiz_bank.bank_files())
 EVERY = [q for name in BANKS for q in quiz_bank._load(name)[0]]
@@ -113,7 +113,8 @@ def test_numeric_answers_agree_with_memory_math(q):
         assert q.source, f"{q.id}: a memory number must name its memory_math source"
     if q.source is None:
         pytest.skip("no memory_math source")
-    assert abs(quiz_bank.recompute(q.source, q.unit) - q.answer) <= q.tolerance
+    source = quiz_draw.fill(q.source, quiz_draw.inputs(q, None)) if q.vary else q.source  # the written inputs
+    assert abs(quiz_bank.recompute(source, q.unit) - q.answer) <= q.tolerance
 
 
 def test_recompute_reads_a_parallelism_math_source():
@@ -214,3 +215,4 @@ def test_widget_check_button_fills_the_feedback():
     picker.value = qs[0].answer
     button.click()
     assert "✓" in feedback.value and seen == [False, True]
+

@@ -137,6 +137,7 @@ def test_notebook_page_shows_every_output(browser, notebook):
         assert "✓ Right" not in text, f"{page_path}: a quiz printed its answer"
         if re.search(r"quiz\.(show|final)\(", "".join(c.source for c in source)):
             assert "answer with: quiz.answer(" in text, f"{page_path}: the quiz's plain-text version is missing"
+            assert ", numbers for " not in text, f"{page_path}: a quiz shows one learner's numbers, not the written ones"
         for explanation in quiz_texts():
             assert explanation not in text, f"{page_path}: a quiz's explanation (its answer) is on the page"
         for words in (f"notebooks/{notebook.name}", "make lab", "make test", "torch "):

@@ -5,6 +5,8 @@ and a prediction asked for before each measurement it is about.
   docs/cheatsheet.md, a paper or a PyTorch issue (the quiz banks are checked in test_quiz.py).
 - No notebook tells a quiz's correct answer: no ``quiz.answer(id, right_key)`` in any cell, and no
   right choice's text (long enough to be an answer, not a word) in any markdown cell.
+- A recap ("What you saw", "Key takeaways") states the quiz's answers, so it comes after the
+  notebook's last quiz cell, never above it.
 - Notebooks 00-05, 07 and 08 each ask for at least two predictions before the cell that measures them.
 """
 
@@ -98,3 +100,33 @@ def test_two_predictions_before_the_measurement(number):
         name = code[i].split("=")[0].strip()
         compared = [j for j, text in enumerate(code) if f"predict.compare({name}" in text]
         assert compared and compared[0] > i, f"{path.name}: {name} is never compared with a measurement after it"
+
+
+RECAP = re.compile(r"^#+\s*(what you saw|key takeaways|in short|recap)\b", re.I | re.M)
+QUIZ_CALL = re.compile(r"quiz\.(show|final)\(")
+
+
+def recap_before_quiz(path: Path) -> str | None:
+    """The first recap heading that sits above the notebook's last quiz cell, if any."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    kinds = [(c["cell_type"], "".join(c["source"])) for c in nb["cells"]]
+    quizzes = [i for i, (kind, text) in enumerate(kinds) if kind == "code" and QUIZ_CALL.search(text)]
+    for kind, text in kinds[:quizzes[-1]] if quizzes else []:
+        found = RECAP.search(text) if kind == "markdown" else None
+        if found:
+            return found.group(0)
+    return None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_recap_comes_after_the_quiz(path):
+    """A "What you saw" recap states the quiz's answers, so it follows the quiz, never precedes it."""
+    assert recap_before_quiz(path) is None, f"{path.name}: {recap_before_quiz(path)!r} comes before the quiz"
+
+
+def test_the_recap_check_has_teeth(tmp_path):
+    nb = tmp_path / "early.ipynb"
+    nb.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": ["## What you saw\n", "\n", "- ZeRO-1 shards the optimizer state."]},
+        {"cell_type": "code", "source": ['quiz.show("03")']}]}))
+    assert recap_before_quiz(nb) == "## What you saw"

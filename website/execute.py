@@ -5,6 +5,8 @@ with the settings a static page needs:
 
 - ``SHARDLAB_NO_WIDGETS=1``: the quizzes and the memory calculator print their plain-text
   fallback (a page has no kernel to drive a widget, and a quiz's text never holds its answer);
+- no ``SHARDLAB_LEARNER``: the numeric questions show their numbers as written, the same on
+  every build, whoever runs it;
 - progress bars as text: ``tqdm.auto`` is pointed at ``tqdm.std`` in the kernel before the
   first cell, so the page shows the bar's last state, not a widget frozen at 0 %.
 
@@ -85,6 +87,7 @@ def execute(notebook: Path, out_dir: Path, force: bool = False) -> tuple[Path, d
             return target, old, True
     nb = nbformat.read(notebook, as_version=4)
     env_before = os.environ.get("SHARDLAB_NO_WIDGETS")
+    learner_before = os.environ.pop("SHARDLAB_LEARNER", None)  # the page shows the written numbers
     os.environ["SHARDLAB_NO_WIDGETS"] = "1"  # the kernel (and its ranks) inherit it
     t0 = time.perf_counter()
     try:
@@ -97,6 +100,8 @@ def execute(notebook: Path, out_dir: Path, force: bool = False) -> tuple[Path, d
             os.environ.pop("SHARDLAB_NO_WIDGETS", None)
         else:
             os.environ["SHARDLAB_NO_WIDGETS"] = env_before
+        if learner_before is not None:
+            os.environ["SHARDLAB_LEARNER"] = learner_before
     seconds = round(time.perf_counter() - t0, 1)
     meta = {"key": key, "seconds": seconds, "ranks": ranks_of(nb),
             "executed_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -6,6 +6,12 @@ In a notebook::
     quiz.show("03")                        # one widget per question: choices, Check, feedback
     quiz.answer("03.comm_2psi", "d")       # the text fallback: prints feedback, returns True/False
     quiz.final()                           # the final quiz, with a running score
+    quiz.learner("alice")                  # numeric questions get alice's own numbers from now on
+
+A room can't share one answer sheet: after ``quiz.learner(name)`` (or with ``SHARDLAB_LEARNER``
+set) each numeric question draws its inputs (parameters, GPUs, bytes, link...) for that name, and
+checks the answer against the formula (:mod:`shardlab.course.quiz_draw`). Without a name, every
+question is exactly as written, as on the website.
 
 The questions, answers and checks are in :mod:`shardlab.course.quiz_bank`; the widgets in
 :mod:`shardlab.course.quiz_widgets`, which builds on the bank too. This module picks between
@@ -20,9 +26,17 @@ import os
 from shardlab.course import quiz_bank as bank
 
 
+def learner(name: str | None) -> None:
+    """Your own numbers in the numeric questions, drawn for ``name`` (None: back to the written ones)."""
+    bank.set_learner(name)
+    who = bank.learner()
+    print(f"Numeric questions now use the numbers drawn for {who!r}." if who else
+          "Numeric questions use the numbers as written.")
+
+
 def answer(question_id: str, choice) -> bool:
     """The text fallback: print the feedback for ``choice`` and return whether it is right."""
-    q = bank.get(question_id)
+    q = bank.for_learner(bank.get(question_id))
     fb = bank.check(question_id, choice)
     bank.record(q, fb)
     print(("✓ " if fb.correct else "✗ ") + fb.text)
@@ -33,7 +47,8 @@ def answer(question_id: str, choice) -> bool:
 
 def text(q: bank.Question) -> str:
     """A question as plain text, with its choices and how to answer it."""
-    lines = [f"[{q.id}] {q.question}"]
+    who = bank.learner() if q.vary else None
+    lines = [f"[{q.id}{f', numbers for {who}' if who else ''}] {q.question}"]
     lines += [f"   {k}) {v}" for k, v in q.choices.items()]
     how = {"single": '"x"), x: your letter', "multiple": '["x", "y"]), every letter you pick',
            "numeric": f"n), n: your number in {q.unit}"}[q.kind]
@@ -54,9 +69,17 @@ def use_widgets() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def _own_numbers_hint(qs) -> None:
+    """Tell a learner, once per quiz, how to get their own numbers (when a question has them)."""
+    if any(q.vary for q in qs) and not bank.learner():
+        print('Working in a group? quiz.learner("your name") gives you your own numbers in the '
+              "numeric questions, so that answers cannot be copied.\n")
+
+
 def show(name: str, widgets: bool | None = None):
     """Show every question of the bank ``name`` ("03" or "03_zero1_zero2"): widgets when possible, else plain text."""
-    qs = bank.questions(name)
+    qs = [bank.for_learner(q) for q in bank.questions(name)]
+    _own_numbers_hint(qs)
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record)
@@ -65,7 +88,8 @@ def show(name: str, widgets: bool | None = None):
 
 def final(widgets: bool | None = None):
     """The final quiz (the ``final`` bank), with a running score."""
-    qs = bank.start_final()
+    qs = [bank.for_learner(q) for q in bank.start_final()]
+    _own_numbers_hint(qs)
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record, scored=True, score=bank.score)

@@ -15,6 +15,11 @@ nested one); ``divide`` defaults to the unit's size (GB 1e9, GiB 2^30, MB 1e6, b
 may name ``"module": "parallelism_math"`` instead, with a ``shape`` (the fields of its
 ``Shape``, passed first) and an ``attr`` of the result to read before ``key``.
 
+A bank lists its choices in any order: on loading, each question's choices are relabelled a, b,
+c, ... in a shuffled order that is the same in every process, with the keys' positions balanced
+across the bank (:mod:`shardlab.course.quiz_order` says how). Everything after loading, the
+checks included, sees the letters a learner sees.
+
 What a learner calls is in :mod:`shardlab.course.quiz` (plain text) and
 :mod:`shardlab.course.quiz_widgets` (widgets); both build on this module, which imports neither.
 """
@@ -22,9 +27,12 @@ What a learner calls is in :mod:`shardlab.course.quiz` (plain text) and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
+
+from shardlab.course import quiz_draw, quiz_order
 
 BANKS = Path(__file__).with_name("quizzes")
 KINDS = ("single", "multiple", "numeric")
@@ -46,6 +54,7 @@ class Question:
     check_yourself: bool = False  # one of the course's two check-yourself questions, word for word
     prediction: bool = False  # asks for a number or a trend before the learner has computed it
     source: dict | None = None
+    vary: dict | None = None  # a learner's own inputs for a numeric question (quiz_draw)
 
     def right_keys(self) -> set:
         return {self.answer} if self.kind == "single" else set(self.answer)
@@ -119,7 +128,24 @@ def _parse(path: Path) -> tuple[tuple[Question, ...], tuple[str, ...]]:
         if bad:
             raise ValueError(f"{name}.json: " + "; ".join(bad))
         out.append(q)
-    return tuple(out), tuple(data.get("draw", ()))
+    return tuple(shown(out)), tuple(data.get("draw", ()))
+
+
+def shown(qs: list[Question]) -> list[Question]:
+    """A bank's questions with their choices relabelled in the order a learner sees them:
+    shuffled, the same in every process, the keys' positions balanced (:mod:`quiz_order`)."""
+    asked = [q for q in qs if q.kind != "numeric"]
+    maps = iter(quiz_order.relabel([(q.id, list(q.choices), q.right_keys()) for q in asked]))
+    out = []
+    for q in qs:
+        if q.kind == "numeric":
+            out.append(q)
+            continue
+        new = next(maps)
+        choices = dict(sorted((new[k], v) for k, v in q.choices.items()))
+        answer = new[q.answer] if q.kind == "single" else sorted(new[k] for k in q.answer)
+        out.append(replace(q, choices=choices, answer=answer, feedback={new[k]: v for k, v in sorted(q.feedback.items(), key=lambda kv: new[kv[0]])}))
+    return out
 
 
 def all_questions() -> dict[str, Question]:
@@ -156,9 +182,27 @@ def _keys(choice) -> list[str]:
     return [str(c).strip().lower() for c in choice]
 
 
-def check(question_id: str, choice) -> Feedback:
+_learner: list[str] = []  # the name quiz.learner(...) set, if any
+
+
+def set_learner(name: str | None) -> None:
+    """Give the numeric questions this learner's own numbers from now on (None: the written ones)."""
+    _learner[:] = [str(name).strip()] if name and str(name).strip() else []
+
+
+def learner() -> str | None:
+    """The name numeric questions draw their inputs for: quiz.learner(...), else $SHARDLAB_LEARNER."""
+    return _learner[0] if _learner else (os.environ.get("SHARDLAB_LEARNER", "").strip() or None)
+
+
+def for_learner(q: Question, name: str | None = None) -> Question:
+    """``q`` with the numbers of learner ``name`` (default: :func:`learner`); as written without one."""
+    return quiz_draw.for_learner(q, name if name is not None else learner(), recompute)
+
+
+def check(question_id: str, choice, learner_name: str | None = None) -> Feedback:
     """Is ``choice`` right? Returns the feedback without printing (``answer`` prints it)."""
-    q = get(question_id)
+    q = for_learner(get(question_id), learner_name)
     if q.kind == "numeric":
         try:
             value = float(str(choice).replace(q.unit, "").strip()) if isinstance(choice, str) else float(choice)
