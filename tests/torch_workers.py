@@ -47,3 +47,47 @@ def train_torch(system: str, kind="gpt", optimizer="adamw", steps=3, seed=0, res
 def shardlab_and_torch(pairs: list[tuple[dict, dict]]):
     """For each (shardlab config, torch config): both final full state dicts."""
     return [(train(**ours)[0], train_torch(**theirs)) for ours, theirs in pairs]
+
+
+def schedules(n_layer=2, steps=1, **fully_shard_options):
+    """One step of ShardLab stage 3 and of ``fully_shard``, each recorded at the dispatcher.
+
+    Both train the tiny GPT from the same weights on this rank's slice of the same batch, after
+    one unrecorded step (Adam's state exists; stage 3 knows its unit order). Returns both
+    schedules, each unit's real parameter count and shapes, and fully_shard's DTensor shards.
+    """
+    from torch.optim import AdamW
+
+    from shardlab.instruments.fsdp2 import dtensor_shards, record_fully_shard
+    from shardlab.instruments.schedule import Schedule, record_shardlab
+    from shardlab.models import batch, gpt, lm_loss
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    def fresh():
+        import torch
+        torch.manual_seed(0)
+        return gpt("tiny", n_layer=n_layer)
+
+    net = fresh()
+    shapes = {f"blocks.{i}": [p.shape for p in b.parameters()] for i, b in enumerate(net.blocks)}
+    shapes["root"] = [p.shape for n, p in net.named_parameters() if not n.startswith("blocks.")]
+    ours, ours_opt = shardlab.parallelize(fresh(), stage=3, optimizer_cls=AdamW, lr=1e-3)
+    theirs = fresh()
+    for block in theirs.blocks:
+        fully_shard(block, **fully_shard_options)
+    fully_shard(theirs, **fully_shard_options)
+    theirs_opt = AdamW(theirs.parameters(), lr=1e-3)
+    recorded = []
+    for model, opt, record in ((ours, ours_opt, record_shardlab), (theirs, theirs_opt, record_fully_shard)):
+        for step in range(1 + steps):
+            x, y = batch(model.cfg, 2, seed=step, rank=rank, world_size=world_size)
+            opt.zero_grad()
+            if step == 1:
+                with record() as seen:
+                    lm_loss(model(x), y).backward()
+                recorded.append(Schedule.of(seen))
+            else:
+                lm_loss(model(x), y).backward()
+            opt.step()
+    return {"ours": recorded[0], "theirs": recorded[1], "shapes": shapes, "shards": dtensor_shards(theirs)}
