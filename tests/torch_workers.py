@@ -6,14 +6,19 @@ ShardLab must give the same numbers as DDP (stage 0), DDP + ZeroRedundancyOptimi
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import AdamW
 from workers import OPTIMIZERS, loss_of, make_batch, make_model, train
 
 import shardlab
+from shardlab.instruments.fsdp2 import dtensor_shards, record_fully_shard
+from shardlab.instruments.schedule import Schedule, record_shardlab
+from shardlab.models import batch, gpt, lm_loss
 
 
 def train_torch(system: str, kind="gpt", optimizer="adamw", steps=3, seed=0, reshard_after_forward=True):
@@ -49,23 +54,17 @@ def shardlab_and_torch(pairs: list[tuple[dict, dict]]):
     return [(train(**ours)[0], train_torch(**theirs)) for ours, theirs in pairs]
 
 
-def schedules(n_layer=2, steps=1, **fully_shard_options):
+def schedules(n_layer=2):
     """One step of ShardLab stage 3 and of ``fully_shard``, each recorded at the dispatcher.
 
     Both train the tiny GPT from the same weights on this rank's slice of the same batch, after
-    one unrecorded step (Adam's state exists; stage 3 knows its unit order). Returns both
-    schedules, each unit's real parameter count and shapes, and fully_shard's DTensor shards.
+    one unrecorded step (Adam's state exists; stage 3 knows its unit order). A third model is
+    ``fully_shard(..., reshard_after_forward=True)`` said explicitly, which reshards the root too.
+    Returns the schedules, each unit's parameter shapes, and fully_shard's DTensor shards.
     """
-    from torch.optim import AdamW
-
-    from shardlab.instruments.fsdp2 import dtensor_shards, record_fully_shard
-    from shardlab.instruments.schedule import Schedule, record_shardlab
-    from shardlab.models import batch, gpt, lm_loss
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     def fresh():
-        import torch
         torch.manual_seed(0)
         return gpt("tiny", n_layer=n_layer)
 
@@ -73,14 +72,18 @@ def schedules(n_layer=2, steps=1, **fully_shard_options):
     shapes = {f"blocks.{i}": [p.shape for p in b.parameters()] for i, b in enumerate(net.blocks)}
     shapes["root"] = [p.shape for n, p in net.named_parameters() if not n.startswith("blocks.")]
     ours, ours_opt = shardlab.parallelize(fresh(), stage=3, optimizer_cls=AdamW, lr=1e-3)
-    theirs = fresh()
+    theirs, explicit = fresh(), fresh()
     for block in theirs.blocks:
-        fully_shard(block, **fully_shard_options)
-    fully_shard(theirs, **fully_shard_options)
-    theirs_opt = AdamW(theirs.parameters(), lr=1e-3)
+        fully_shard(block)
+    fully_shard(theirs)                  # as notebook 04 does: the root's reshard is left to torch
+    for block in explicit.blocks:
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(explicit, reshard_after_forward=True)
+    runs = ((ours, ours_opt, record_shardlab), (theirs, AdamW(theirs.parameters(), lr=1e-3), record_fully_shard),
+            (explicit, AdamW(explicit.parameters(), lr=1e-3), record_fully_shard))
     recorded = []
-    for model, opt, record in ((ours, ours_opt, record_shardlab), (theirs, theirs_opt, record_fully_shard)):
-        for step in range(1 + steps):
+    for model, opt, record in runs:
+        for step in range(2):
             x, y = batch(model.cfg, 2, seed=step, rank=rank, world_size=world_size)
             opt.zero_grad()
             if step == 1:
@@ -90,4 +93,5 @@ def schedules(n_layer=2, steps=1, **fully_shard_options):
             else:
                 lm_loss(model(x), y).backward()
             opt.step()
-    return {"ours": recorded[0], "theirs": recorded[1], "shapes": shapes, "shards": dtensor_shards(theirs)}
+    return {"ours": recorded[0], "theirs": recorded[1], "explicit": recorded[2], "shapes": shapes,
+            "shards": dtensor_shards(theirs)}

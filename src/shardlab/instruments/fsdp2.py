@@ -116,7 +116,7 @@ def dtensor_shards(model: torch.nn.Module) -> list[dict]:
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         rows.append({"name": name, "type": type(p).__name__,
-                     "placements": tuple(str(pl) for pl in getattr(p, "placements", ())),
+                     "placements": tuple(repr(pl) for pl in getattr(p, "placements", ())),
                      "shape": tuple(p.shape), "local": tuple(local.shape)})
     return rows
 
