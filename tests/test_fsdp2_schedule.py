@@ -21,6 +21,7 @@ from support import slowdown
 from shardlab.engine.flat import padded_numel
 from shardlab.instruments.fsdp2 import dim0_padded_numel
 from shardlab.instruments.schedule import (
+    Schedule,
     differences,
     free_before_reduce_scatter,
     prefetched,
@@ -66,16 +67,18 @@ def test_same_units_and_collectives_per_unit(run):
 def test_volume_agrees_up_to_each_layouts_padding(run):
     n, ranks = run
     shapes = ranks[0]["shapes"]
+    most = {unit: (n - 1) * sum(math.prod(s[1:]) for s in unit_shapes)  # < N rows of each parameter
+            for unit, unit_shapes in shapes.items()}
     for r in ranks:
         ours, theirs = r["ours"], r["theirs"]
         for unit, unit_shapes in shapes.items():
             for c in ours.calls(unit):
-                assert 0 <= c["numel"] - real(unit_shapes) < n           # one flat buffer: < N padding
+                assert 0 <= c["numel"] - real(unit_shapes) < n             # one flat buffer: < N elements
             for c in theirs.calls(unit):
-                assert 0 <= c["numel"] - real(unit_shapes) <= (n - 1) * len(unit_shapes)  # per parameter
+                assert 0 <= c["numel"] - real(unit_shapes) <= most[unit]   # per parameter: < N rows
         unpadded = sum(real(shapes[c["unit"]]) for c in ours.records)
         assert ours.numel() - unpadded < n * len(ours.records)
-        assert theirs.numel() - unpadded <= (n - 1) * sum(len(shapes[c["unit"]]) for c in theirs.records)
+        assert theirs.numel() - unpadded <= sum(most[c["unit"]] for c in theirs.records)
 
 
 def test_every_rank_issues_the_same_schedule(run):
@@ -145,11 +148,23 @@ def test_parameters_are_dtensors_sharded_on_dim0(run):
 def test_the_printed_table_and_differences_read_the_records(run):
     n, ranks = run
     r = ranks[0]
-    table = side_by_side(r["ours"], r["theirs"])
-    for unit in ("root", *BLOCKS):
-        assert f"2×{r['theirs'].calls(unit)[0]['numel']:,}" in table or unit == "root"
+    rows = {line.split()[0]: line.split(" | ")[1:] for line in side_by_side(r["ours"], r["theirs"]).splitlines()[3:]}
+    for unit in BLOCKS:
+        assert f"2×{r['ours'].calls(unit)[0]['numel']:,}" in rows[unit][0]
+        assert f"2×{r['theirs'].calls(unit)[0]['numel']:,}" in rows[unit][1]
     named = {what: (a, b) for what, a, b in differences(r["ours"], r["theirs"])}
     assert named["reduce-scatter dtype and op"] == ("float32 SUM", "float32 AVG")
     assert named["backward: free and reduce-scatter"] == ("reduce-scatter, then free", "free, then reduce-scatter")
     with pytest.raises(ValueError, match="world size"):
-        side_by_side(r["ours"], type(r["ours"])(r["ours"].records, [], n + 1))
+        side_by_side(r["ours"], Schedule(r["ours"].records, [], n + 1))
+
+
+def test_a_wire_column_appears_when_records_carry_wire_bytes(run):
+    """The printer's contract with the ledger: records with ``wire`` get a wire column (here the
+    ring formula stands in for the measurement; the printer only adds what it is given)."""
+    n, ranks = run
+    ours, theirs = ranks[0]["ours"], ranks[0]["theirs"]
+    assert "wire" not in side_by_side(ours, theirs)
+    wired = Schedule([dict(c, wire=c["sent"]) for c in ours.records], ours.stream, n)
+    assert wired.wire() == sum(c["sent"] for c in ours.records)
+    assert "wire KB" in side_by_side(wired, theirs)
