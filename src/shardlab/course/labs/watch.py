@@ -2,10 +2,11 @@
 
 :class:`Collectives` sees every collective this rank's process group runs, however the learner
 called it (``shardlab.comm``, ``torch.distributed``, or a name bound earlier with ``from
-torch.distributed import all_reduce``): it is a ``TorchDispatchMode``, so it sits under every
-Python API, at the dispatcher where each c10d operation passes (PyTorch's own ``CommDebugMode``
-counts collectives the same way). It also refuses, before they reach gloo, the calls whose
-buffers cannot fit (gloo aborts the process on some of them), with a hint in the lab's words.
+torch.distributed import all_reduce``): it is the instruments' dispatcher recorder
+(:mod:`shardlab.instruments.collectives`), which sits under every Python API, where each c10d
+operation passes (PyTorch's own ``CommDebugMode`` counts collectives the same way). It also
+refuses, before they reach gloo, the calls whose buffers cannot fit (gloo aborts the process on
+some of them), with a hint in the lab's words.
 
 :class:`Trace` records what happened to each unit, in order: gather, forward, free, backward,
 all_gather, reduce_scatter..., and the most units that held their full weights at once.
@@ -13,91 +14,40 @@ all_gather, reduce_scatter..., and the most units that held their full weights a
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlab.course.labs.tasks import Hint
 from shardlab.engine import events
 from shardlab.engine.flat import FlatUnit
-
-_KINDS = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-          "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-          "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-          "broadcast_": "broadcast", "allreduce_coalesced_": "all_reduce"}
+from shardlab.instruments.collectives import Call, Recorder, numel_of
 
 SIZES = ("your {kind} got buffers that do not fit: {got}. {rule}. Are all your shards the same "
          "size, i.e. did you pad to a multiple of the world size?")
 
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    kind: str    # all_gather, reduce_scatter, all_reduce, broadcast (or the c10d op's name)
-    numel: int   # elements of the full buffer (the gathered one, or the one reduced)
-    sent: int    # bytes this rank sends on a ring: (N-1)/N of the full buffer, twice for all-reduce
+Collective = Call  # one recorded collective: kind, numel (of the full buffer), sent (ring bytes), ...
 
 
-def _numel(x) -> int:
-    if torch.is_tensor(x):
-        return x.numel()
-    if isinstance(x, (list, tuple)):
-        return sum(_numel(t) for t in x)
-    return 0
+class Collectives(Recorder):
+    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.sent()``.
 
+    The instruments' dispatcher :class:`~shardlab.instruments.collectives.Recorder`, which also
+    refuses, with a hint in the lab's words, the buffers gloo would abort the process on.
+    """
 
-def _bytes(x) -> int:
-    if torch.is_tensor(x):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_bytes(t) for t in x)
-    return 0
-
-
-class Collectives(TorchDispatchMode):
-    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.sent()``."""
-
-    def __init__(self):
-        super().__init__()
-        self.log: list[Collective] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            op = func._opname
-            kind = _KINDS.get(op)
-            if kind is not None:
-                self._record(kind, op, args)
-        return func(*args, **kwargs)
-
-    def _record(self, kind: str, op: str, args) -> None:
+    def check(self, kind: str, full, part) -> None:
+        if kind not in ("all_gather", "reduce_scatter"):
+            return
         n = dist.get_world_size()
-        out, inp = args[0], args[1]
-        if kind == "all_gather":
-            full, part = out, inp
-        elif kind == "reduce_scatter":
-            full, part = inp, out
-        else:
-            full = part = out
-        if kind in ("all_gather", "reduce_scatter") and _numel(full) != n * _numel(part):
+        if numel_of(full) != n * numel_of(part):
             rule = ("all-gather fills full (world_size x shard elements) with every rank's shard"
                     if kind == "all_gather" else
                     "reduce-scatter reduces full (world_size x shard elements) into each rank's shard")
-            got = f"full has {_numel(full)} elements, shard {_numel(part)}, on {n} ranks"
-            if n != 4 and _numel(full) == 4 * _numel(part):
+            got = f"full has {numel_of(full)} elements, shard {numel_of(part)}, on {n} ranks"
+            if n != 4 and numel_of(full) == 4 * numel_of(part):
                 raise Hint(f"your {kind.replace('_', '-')} got a buffer of 4 x shard elements on {n} ranks: "
                            "size it with world_size, not a fixed 4", mistake="hard_coded_world_size", broken=True)
             raise Hint(SIZES.format(kind=kind.replace("_", "-"), got=got, rule=rule),
                        mistake="collective_sizes", broken=True)
-        share = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(kind, (n - 1) / n)
-        self.log.append(Collective(kind, _numel(full), round(share * _bytes(full))))
-
-    def kinds(self) -> list[str]:
-        return [c.kind for c in self.log]
-
-    def sent(self) -> int:
-        return sum(c.sent for c in self.log)
 
 
 def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all_gather")) -> int:
