@@ -118,7 +118,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "c: returns the cause only": (C, c_returns_the_cause_only, "not_a_diagnosis", "return two things"),
     "d: blames activations": (D, d_blames_activations, "wrong_cause", "activations are freed"),
     "d: blames collectives": (D, d_blames_collectives, "wrong_cause", "fewer reduce-scatters than usual"),
-    "d: changes the stage": (D, d_changes_the_stage, "symptom_remains", "bytes of gradient held between micro-batches"),
+    "d: changes the stage": (D, d_changes_the_stage, "symptom_remains", "of gradient held between micro-batches"),
     "d: keeps no_sync": (D, d_keeps_no_sync, "no_change", "the run already has sync_every_micro_batch=False"),
     "d: units that do not exist": (D, d_bad_units, "bad_value", "cannot be built"),
 }
