@@ -1,6 +1,6 @@
 """workshop/AGENDA.md against the repository: every notebook and lab it names exists, every
 slot is at least the part's recorded nbval time, quoted times match workshop/timings.json,
-the clock adds up, and the full day covers every notebook and lab there is."""
+the clock adds up, and the full day with its add-ons covers every notebook and lab there is."""
 
 import json
 import math
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 AGENDA = (ROOT / "workshop" / "AGENDA.md").read_text()
 TIMINGS = json.loads((ROOT / "workshop" / "timings.json").read_text())["runs"]
-LABS = ["lab1_shard_and_gather", "lab2_zero1", "lab3_zero2", "lab4_fsdp_unit", "lab5_prefetch"]
+LABS = ["lab1_shard_and_gather", "lab2_zero1", "lab3_zero2", "lab4_fsdp_unit", "lab5_prefetch", "lab6_diagnose"]
 ROW = re.compile(r"^\| (\d\d):(\d\d) \| (.*?) \|\s*(?:(\d+) min)?\s*\|\s*(.*?)\s*\|", re.M)
 
 
@@ -40,8 +40,9 @@ def exists(path: str) -> bool:
     return any(p.name.split(".")[0] == name for p in (ROOT / "labs").glob(f"{name}*")) if (ROOT / "labs").is_dir() else False
 
 
-def test_two_plans_half_and_full_day():
-    assert [t.split(" (")[0] for t in plans()] == ["Half day", "Full day"]
+def test_two_plans_half_and_full_day_then_add_ons():
+    titles = [t.split(" (")[0] for t in plans()]
+    assert titles[:2] == ["Half day", "Full day"] and all(t.startswith("Add-on") for t in titles[2:]), titles
 
 
 @pytest.mark.parametrize("path", sorted({path_of(r["part"]) for rows in plans().values() for r in rows} - {None}))
@@ -69,12 +70,12 @@ def test_the_clock_adds_up():
         for here, nxt in zip(rows, rows[1:]):
             assert here["start"] + here["slot"] == nxt["start"], f"{title}: {here['part']} does not end when the next starts"
         assert rows[-1]["part"] == "end"
-    half, full = plans().values()
+    half, full = list(plans().values())[:2]
     assert half[-1]["start"] - half[0]["start"] <= 4 * 60 and full[-1]["start"] - full[0]["start"] <= 8 * 60
 
 
-def test_the_full_day_covers_every_notebook_and_lab():
-    named = {path_of(r["part"]) for r in list(plans().values())[1]}
+def test_the_full_day_and_its_add_ons_cover_every_notebook_and_lab():
+    named = {path_of(r["part"]) for rows in list(plans().values())[1:] for r in rows}
     notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
     assert notebooks <= named, f"not in the full day: {sorted(notebooks - named)}"
     assert {f"labs/{lab}" for lab in LABS} <= named

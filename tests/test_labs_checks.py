@@ -17,6 +17,7 @@ import lab2_mistakes
 import lab3_mistakes
 import lab4_mistakes
 import lab5_mistakes
+import lab6_mistakes
 import pytest
 from labs_support import assert_mistake, verdicts
 
@@ -28,6 +29,7 @@ LABS = {
     "lab3": ("lab3_zero2.ipynb", lab3_mistakes),
     "lab4": ("lab4_fsdp_unit.ipynb", lab4_mistakes),
     "lab5": ("lab5_prefetch.ipynb", lab5_mistakes),
+    "lab6": ("lab6_diagnose.ipynb", lab6_mistakes),
 }
 _RESULTS: dict[str, dict] = {}
 
@@ -112,3 +114,12 @@ def test_lab4_solution_follows_the_whole_cycle_and_rests_on_shards():
 def test_lab5_solution_overlaps_gathers_with_compute():
     message = results_of("lab5")["solution lab5.prefetch_next", 4].message
     assert "gathers were in flight while a unit computed" in message and "at most 2 units" in message, message
+
+
+def test_lab6_solution_reruns_the_fix_and_reports_the_symptom_gone():
+    for ws in WORLD_SIZES:
+        a = results_of("lab6")["solution lab6.case_a", ws].message
+        mine, zero2 = (int(x.replace(",", "")) for x in re.search(r"peaks at ([\d,]+) B, below ZeRO-2's ([\d,]+) B", a).groups())
+        assert f"rerun on {ws} ranks" in a and mine < zero2, a
+        d = results_of("lab6")["solution lab6.case_d", ws].message
+        assert f"= 4Ψ/{ws}" in d, d

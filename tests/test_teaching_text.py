@@ -7,7 +7,7 @@ and a prediction asked for before each measurement it is about.
   right choice's text (long enough to be an answer, not a word) in any markdown cell.
 - A recap ("What you saw", "Key takeaways") states the quiz's answers, so it comes after the
   notebook's last quiz cell, never above it.
-- Notebooks 00-05, 07 and 08 each ask for at least two predictions before the cell that measures them.
+- Notebooks 00-05, 07, 08 and 09 each ask for at least two predictions before the cell that measures them.
 """
 
 import json
@@ -20,7 +20,7 @@ from shardlab.course import quiz_bank
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-PREDICTING = ["00", "01", "02", "03", "04", "05", "07", "08"]
+PREDICTING = ["00", "01", "02", "03", "04", "05", "07", "08", "09"]
 ANSWER_CALL = re.compile(r"""quiz\.answer\(\s*["']([\w.]+)["']\s*,\s*(\[[^\]]*\]|["'][^"']*["']|[-\d.e]+)""")
 
 

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="check one file's task functions on fresh local ranks")
-    c.add_argument("lab", help="lab1 ... lab5")
+    c.add_argument("lab", help="lab1 ... lab6")
     c.add_argument("file", help="a .py (or .ipynb) file defining the lab's functions")
     c.add_argument("--jsonl", help=argparse.SUPPRESS)  # the grader reads results from here
     g = sub.add_parser("grade", help="check every .py / .ipynb in a folder; write a CSV")

@@ -26,7 +26,7 @@ DEFAULT_TIMEOUT = 30.0
 
 #: The labs, by id: ``lab1`` -> its topic (the notebook is ``labs/lab1_shard_and_gather.ipynb``).
 LABS = {"lab1": "shard_and_gather", "lab2": "zero1", "lab3": "zero2", "lab4": "fsdp_unit",
-        "lab5": "prefetch"}
+        "lab5": "prefetch", "lab6": "diagnose"}
 
 #: The world sizes the command line, the grader and the tests check every task at: 3 makes
 #: padding necessary, and code that hard-codes 4 ranks fails there.

@@ -1,0 +1,202 @@
+"""Lab 6 checks: diagnose a run you did not write, name its cause, fix it with one setting.
+
+Each case is a plan (``shardlab.course.symptoms``: stage, units, options, batch) with a symptom
+seen in the field (notebook 09). The learner writes ``diagnose_<case>()``, returning a cause, a
+key of :data:`CAUSES`, and a fix, ``{setting: new value}`` changing one setting of the plan.
+The check names what the data shows when the cause is wrong; with the right cause it reruns the
+plan with the fix on the live ranks and confirms, with the same instrument, that the symptom is
+gone. :func:`report` is what the lab shows of each run before the learner answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from shardlab.course import measure, symptoms
+from shardlab.course.labs.tasks import Hint, task
+from shardlab.instruments.traffic import count_comm
+
+#: The course's list of causes (notebook 09), by key.
+CAUSES = {
+    "unit_gathered_whole": "a unit (or a bucket) as big as the model is gathered whole, on top of the shard",
+    "activations": "activations grow with the batch per rank and do not shrink with N",
+    "too_many_collectives": "many small units: a gather per unit, each paying latency and a fixed cost",
+    "unreduced_gradient": "accumulating without syncing keeps a whole, unreduced gradient",
+    "states_only_estimate": "the estimate counts the model states at rest, and nothing else",
+}
+#: The settings a fix may change, with their values when a plan does not say.
+SETTINGS = {"stage": 3, "units": "blocks", "reshard_after_forward": True, "prefetch": True,
+            "checkpointing": False, "batch_size": 8, "sync_every_micro_batch": True}
+LINK = "1GbE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    plan: dict
+    cause: str
+    seen: str                           # the symptom, as the lab states it
+    wrong: dict                         # wrong cause -> what the data shows instead
+    gone: Callable[[dict], str]         # the fixed plan -> what was verified; raises Hint if not
+
+
+_baselines: dict = {}  # (what, plan, world size) -> measured: the same on every call, so measured once
+
+
+def _baseline(what: str, fn, plan: dict):
+    """``fn(plan)``, measured once per world size on this rank: a case's run before the fix, or
+    the reference it is held to (the same bytes every time), so that each check reruns only the fix."""
+    key = (what, repr(sorted(plan.items())), dist.get_world_size())
+    if key not in _baselines:
+        _baselines[key] = fn(plan)
+    return _baselines[key]
+
+
+def _peak_below_zero2(plan: dict) -> str:
+    if plan.get("stage", 3) != 3:
+        raise Hint(f"stage {plan['stage']} gives up sharding the weights; this model will grow, so the run must stay "
+                   "at stage 3 and get below ZeRO-2's peak there", "what does stage 3 gather whole?",
+                   mistake="symptom_remains")
+    mine, zero2 = symptoms.peak(plan), _baseline("peak", symptoms.peak, dict(plan, stage=2))
+    if mine["total"] >= zero2["total"]:
+        raise Hint(f"rerun with your fix: peak {mine['total']:,} B, still not below ZeRO-2's {zero2['total']:,} B; "
+                   f"{mine['gathered']:,} B gathered at once", "which setting decides how much is gathered at once?",
+                   mistake="symptom_remains")
+    return (f"rerun on {dist.get_world_size()} ranks: stage 3 peaks at {mine['total']:,} B, below ZeRO-2's "
+            f"{zero2['total']:,} B for the same run; {mine['gathered']:,} B gathered at most")
+
+
+def _peak_halved(plan: dict) -> str:
+    before, after = _baseline("peak", symptoms.peak, CASES["b"].plan), symptoms.peak(plan)
+    if after["total"] > before["total"] / 2:
+        raise Hint(f"rerun with your fix: peak {after['total']:,} B against {before['total']:,} B before, "
+                   f"{after['at_peak']['activations']:,} B of it activations", "what sets the activations' size?",
+                   mistake="symptom_remains")
+    return (f"rerun on {dist.get_world_size()} ranks: peak {after['total']:,} B, below half of "
+            f"{before['total']:,} B; activations at the peak {after['at_peak']['activations']:,} B")
+
+
+def _link_formula(plan: dict) -> tuple[int, float]:
+    """(collectives, seconds on the link by the α-β formula) of one step of ``plan``."""
+    model, optimizer = symptoms.build(plan)
+    batches = measure.data(model, batch_size=plan.get("batch_size", 8), steps=1)
+    with count_comm() as ledger:
+        measure.train_step(model, optimizer, *batches[0])
+    return ledger.calls(), measure.predicted_link_s(ledger.records, dist.get_world_size(), LINK)
+
+
+def _link_like_ddp(plan: dict) -> str:
+    """No more link time than DDP on the same units (DDP all-reduces per unit, too)."""
+    ddp = {k: v for k, v in plan.items() if k not in ("prefetch", "reshard_after_forward")} | {"stage": 0}
+    (calls, link), (ddp_calls, ddp_link) = _link_formula(plan), _baseline("link", _link_formula, ddp)
+    if link > ddp_link * 1.001:
+        raise Hint(f"rerun with your fix: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} by the α-β "
+                   f"formula, against {ddp_calls} and {ddp_link * 1e3:.1f} ms for DDP on the same units: gathers are still there",
+                   "the model fits on one device: does it need its weights sharded at all?",
+                   mistake="symptom_remains")
+    return (f"rerun on {dist.get_world_size()} ranks: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} "
+            f"by the α-β formula, no more than DDP's {ddp_link * 1e3:.1f} ms on the same units")
+
+
+def _shard_of_gradient(plan: dict) -> str:
+    run = symptoms.accumulate(plan)
+    n, shard = dist.get_world_size(), 4 * run["psi"] / dist.get_world_size()
+    if run["grads_between"] > shard + 4 * 64 * n:  # padding: at most N-1 elements per unit
+        raise Hint(f"rerun with your fix: {run['grads_between']:,} B of gradient held between micro-batches, "
+                   f"{run['grads_between'] / run['psi']:.2f} bytes per parameter; a shard is 4/{n}",
+                   "when is a gradient sharded? Only once it is reduce-scattered", mistake="symptom_remains")
+    return (f"rerun on {n} ranks: {run['grads_between']:,} B of gradient held between micro-batches = 4Ψ/{n}, "
+            f"for {run['reduce_scatters']} reduce-scatters a step")
+
+
+CASES = {
+    "a": Case(dict(stage=3, units="whole"), "unit_gathered_whole",
+              "stage 3 peaks above ZeRO-2 on the same run",
+              {"activations": "the report shows the same activations at stage 3 and at ZeRO-2: they are not what differs",
+               "too_many_collectives": "this is a memory symptom, and this run has a single unit: one gather each way",
+               "unreduced_gradient": "this run takes one backward per step; nothing is accumulated",
+               "states_only_estimate": "the report compares two measured peaks, not an estimate with a run"}, _peak_below_zero2),
+    "b": Case(dict(stage=3, batch_size=32), "activations",
+              "the peak hardly falls from 2 ranks to 4",
+              {"unit_gathered_whole": "the units are blocks here, and 'gathered' is a small line of the report",
+               "too_many_collectives": "this is a memory symptom; five units, a gather each",
+               "unreduced_gradient": "one backward per step: no gradient is kept between micro-batches",
+               "states_only_estimate": "the model states in the report do halve from 2 ranks to 4: the rest does not"},
+              _peak_halved),
+    "c": Case(dict(stage=3, units="linear"), "too_many_collectives",
+              f"a step on {LINK} is much slower than DDP's, on a model that fits",
+              {"unit_gathered_whole": "the report counts 18 units, none of them the whole model",
+               "activations": "this is a time symptom: the ledger shows ten times DDP's collectives",
+               "unreduced_gradient": "one backward per step; the ledger shows a reduce-scatter per unit",
+               "states_only_estimate": "nothing is estimated here: the step was timed"}, _link_like_ddp),
+    "d": Case(dict(stage=3, sync_every_micro_batch=False), "unreduced_gradient",
+              "between two micro-batches a rank holds 4 bytes of gradient per parameter, at any N",
+              {"unit_gathered_whole": "the units are blocks, and what stays is gradient bytes, not gathered weights",
+               "activations": "the report counts gradient bytes after the first micro-batch's backward, when its "
+                              "activations are freed",
+               "too_many_collectives": "this is a memory symptom; the ledger shows fewer reduce-scatters than usual",
+               "states_only_estimate": "the gradient bytes were measured, and they equal 4Ψ whatever N is"},
+              _shard_of_gradient),
+}
+
+
+def _judge(case_id: str, fn) -> str:
+    case = CASES[case_id]
+    out = fn()
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str)):
+        raise Hint(f"return two things: a cause (a key of lab6.CAUSES) and a fix ({{setting: value}}); got {out!r}",
+                   mistake="not_a_diagnosis")
+    cause, fix = out
+    if cause not in CAUSES:
+        raise Hint(f"{cause!r} is not one of the course's causes: choose one of {', '.join(CAUSES)}",
+                   mistake="unknown_cause")
+    if cause != case.cause:
+        raise Hint(f"not {cause}: {case.wrong[cause]}", "read the report again: which line is out of line?",
+                   mistake="wrong_cause")
+    if not isinstance(fix, dict) or len(fix) != 1:
+        raise Hint(f"change exactly one setting, as {{setting: value}}; got {fix!r}", mistake="not_one_setting")
+    (setting, value), = fix.items()
+    if setting not in SETTINGS:
+        raise Hint(f"{setting!r} is not a setting of the plan: choose one of {', '.join(SETTINGS)}",
+                   mistake="unknown_setting")
+    if case.plan.get(setting, SETTINGS[setting]) == value:
+        raise Hint(f"the run already has {setting}={value!r}: change it", mistake="no_change")
+    try:
+        verified = case.gone(dict(case.plan, **fix))
+    except ValueError as e:  # a value the plan cannot take, e.g. units="leaves"
+        raise Hint(f"{setting}={value!r} cannot be built: {e}", mistake="bad_value") from None
+    return f"the cause is {cause}; {verified}"
+
+
+@task("lab6.case_a", fn_name="diagnose_a", timeout=60.0)
+def check_case_a(fn) -> str:
+    return _judge("a", fn)
+
+
+@task("lab6.case_b", fn_name="diagnose_b", timeout=60.0)
+def check_case_b(fn) -> str:
+    return _judge("b", fn)
+
+
+@task("lab6.case_c", fn_name="diagnose_c", timeout=60.0)
+def check_case_c(fn) -> str:
+    return _judge("c", fn)
+
+
+@task("lab6.case_d", fn_name="diagnose_d", timeout=60.0)
+def check_case_d(fn) -> str:
+    return _judge("d", fn)
+
+
+def report(case_id: str) -> dict:
+    """What the lab shows of a case's run, measured on this rank (run it on every rank)."""
+    case = CASES[case_id]
+    if case_id == "a":
+        return {"this run": symptoms.peak(case.plan), "ZeRO-2, same run": symptoms.peak(dict(case.plan, stage=2))}
+    if case_id == "b":
+        return {"this run": symptoms.peak(case.plan)}
+    if case_id == "c":
+        return symptoms.link_times({"this run": case.plan, "DDP": dict(stage=0)}, LINK, 2)  # DDP as people run it
+    return {"this run": symptoms.accumulate(case.plan)}

@@ -1,0 +1,158 @@
+"""What notebook 09 and lab 6 run on the ranks: a run as people report it, and the same run fixed.
+
+A *run* is a plan (stage, units, options, batch) of the course GPT, trained a step or two,
+with an instrument around it: :func:`peak` (memory by category over one step,
+``track_memory``), :func:`accumulate` (the gradient bytes held between two micro-batches, and
+the ledger of the step), :func:`link_times` (step times on an emulated link, with the link time
+booked by the emulator). Every number they return was measured on this rank; the formulas to
+set beside them live in :mod:`shardlab.instruments.memory_math`.
+
+:func:`on_first` runs one of them on the first ``k`` ranks of the cluster alone, so that one
+notebook can compare 2 ranks with 4 without starting a second cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab import models
+from shardlab.course import measure
+from shardlab.engine.api import engine_of, full_state_dict
+from shardlab.instruments.memory import memory_report, track_memory
+from shardlab.instruments.timeline import trace
+from shardlab.instruments.traffic import count_comm
+
+#: What ``units=`` means in a plan: one unit per block (the default), one unit holding the whole
+#: model (FSDP1 without an auto-wrap policy; a DeepSpeed bucket larger than the model), or one
+#: per ``nn.Linear`` (many small units, as DeepSpeed's per-module gathers).
+UNITS = {"blocks": None, "whole": lambda m: False, "linear": nn.Linear}
+
+
+def build(plan: dict):
+    """``(model, optimizer)`` for ``plan``: keys ``stage``, ``units``, ``size``, ``checkpointing``,
+    ``reshard_after_forward``, ``prefetch`` (the rest is read by the instruments)."""
+    units = plan.get("units", "blocks")
+    if units not in UNITS:
+        raise ValueError(f"units must be one of {sorted(UNITS)}, got {units!r}")
+    options = {k: plan[k] for k in ("reshard_after_forward", "prefetch") if k in plan}
+    return measure.build(plan.get("size", "small"), stage=plan.get("stage", 3), units=UNITS[units],
+                         checkpoint=bool(plan.get("checkpointing", False)), **options)
+
+
+def _batches(model, plan: dict, steps: int) -> list:
+    return measure.data(model, batch_size=plan.get("batch_size", 8), steps=steps)
+
+
+def peak(plan: dict, samples: bool = False) -> dict:
+    """One step after a warm-up, under ``track_memory``: the peak and what made it.
+
+    Returns ``total`` (bytes at the peak sample), ``at_peak`` (its bytes by category),
+    ``gathered`` and ``activations`` (the most of each at any moment), ``at_rest`` (params,
+    grads and optimizer after the step), ``psi``, ``world_size`` and, with ``samples``, the
+    samples ``plots.memory_over_time`` draws.
+    """
+    model, optimizer = build(plan)
+    batches = _batches(model, plan, 2)
+    measure.train_step(model, optimizer, *batches[0])  # Adam's state exists from here on
+    with track_memory(model, optimizer) as mem:
+        measure.train_step(model, optimizer, *batches[1])
+    rest = memory_report(model, optimizer)
+    return dict(total=mem.peak["total"], at_peak=dict(mem.peak["bytes"]), gathered=mem.peak_of("gathered"),
+                activations=mem.peak_of("activations"), psi=_psi(plan),
+                at_rest={k: rest[k] for k in ("params", "grads", "optimizer")},
+                world_size=dist.get_world_size(), samples=mem.samples if samples else None)
+
+
+def accumulate(plan: dict, micro_batches: int = 2) -> dict:
+    """Gradient accumulation over ``micro_batches``, then one step; the bytes held in between.
+
+    ``plan["sync_every_micro_batch"]`` False runs every micro-batch but the last inside
+    ``model.no_sync()`` (as ``accelerate`` and FSDP's ``set_requires_gradient_sync(False)`` do).
+    Returns ``grads_between`` (gradient bytes this rank holds after the first micro-batch),
+    the ledger of the whole step (``calls`` and ``ring_formula_bytes`` of reduce-scatters),
+    the weights after the step (``weights``: to check that both ways train alike) and ``psi``.
+    """
+    model, optimizer = build(plan)
+    micro = _batches(model, plan, micro_batches)
+    sync = plan.get("sync_every_micro_batch", True)
+    with count_comm() as ledger:
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            context = model.no_sync() if not (sync or last) else contextlib.nullcontext()
+            with context:
+                (models.lm_loss(model(x), y) / len(micro)).backward()
+            if i == 0:
+                grads_between = memory_report(model, optimizer)["grads"]
+        optimizer.step()
+    weights = full_state_dict(model)
+    optimizer.zero_grad()
+    return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
+                reduce_scatters=ledger.calls("reduce_scatter"),
+                ring_formula_bytes=ledger.bytes_sent(), weights=weights)
+
+
+def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
+    """Each plan's step on an emulated ``link``, in interleaved rounds (one warm-up).
+
+    Returns ``{name: {"step_s": [...], "link_s": [...], "formula_s": s, "calls": n, "gathers": n,
+    "units": n, "events": [...]}}``: the measured seconds of each step, the link time the
+    emulator booked for its collectives, the same by the α-β ring formula from the ledger's
+    records, the collectives of one step, the plan's units, and that step's trace (``trace()``).
+    """
+    runs = {name: build(plan) for name, plan in plans.items()}
+    batch_plan = next(iter(plans.values()))
+    batches = _batches(next(iter(runs.values()))[0], batch_plan, steps + 1)
+    out = {}
+    for name, (model, optimizer) in runs.items():  # the collectives of one step
+        with count_comm() as ledger, trace() as tr:
+            measure.train_step(model, optimizer, *batches[0])
+        out[name] = dict(calls=ledger.calls(), gathers=ledger.calls("all_gather"),
+                         units=len(engine_of(model).units), events=tr.events,
+                         formula_s=measure.predicted_link_s(ledger.records, dist.get_world_size(), link))
+    timed = measure.time_steps(runs, batches, warmup=1, link=link)
+    for name in runs:
+        out[name].update(step_s=timed[name]["step_s"], link_s=timed[name]["link_s"])
+    return out
+
+
+def _psi(plan: dict) -> int:
+    return sum(p.numel() for p in models.gpt(plan.get("size", "small")).parameters())
+
+
+_regroups = itertools.count()
+
+
+def on_first(k: int, fn, *args, timeout: float = 60.0, **kwargs):
+    """Call ``fn(*args, **kwargs)`` on the first ``k`` ranks alone, in a process group of ``k``.
+
+    Run it on every rank (``cluster.run(on_first, 2, fn, ...)``): the other ranks wait and return
+    None. Afterwards every rank is back in a group of the full size, so the next cell runs as
+    before. Used to set 2 ranks beside 4 on one cluster (the notebook's ranks stay alive).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 1 <= k <= world:
+        raise ValueError(f"k must be between 1 and the world size {world}, got {k!r}")
+    backend = dist.get_backend()
+    store = dist.distributed_c10d._get_default_store()  # kept: the group is rebuilt on it
+    limit = datetime.timedelta(seconds=timeout)
+    n = next(_regroups)
+    dist.destroy_process_group()
+    try:
+        if rank < k:
+            dist.init_process_group(backend, store=dist.PrefixStore(f"first{k}/{n}/", store), rank=rank,
+                                    world_size=k, timeout=limit)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dist.destroy_process_group()
+        return None
+    finally:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"all/{n}/", store), rank=rank,
+                                world_size=world, timeout=limit)
+
+

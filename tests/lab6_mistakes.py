@@ -1,0 +1,130 @@
+"""Realistic wrong diagnoses for lab 6, one slip each (importable: the checks run them on spawned
+ranks), and correct alternatives that must pass. A wrong cause gets the hint naming what the
+data shows; the right cause with a fix that leaves the symptom gets the rerun's numbers."""
+
+
+# -- case a: stage 3 above ZeRO-2, the whole model one unit -------------------------------------
+def a_blames_activations():
+    return "activations", {"checkpointing": True}
+
+
+def a_blames_collectives():
+    return "too_many_collectives", {"units": "blocks"}
+
+
+def a_drops_to_zero2():  # the symptom's name, not its cause: the run must stay at stage 3
+    return "unit_gathered_whole", {"stage": 2}
+
+
+def a_checkpoints_instead():  # lowers both peaks; stage 3 stays above ZeRO-2
+    return "unit_gathered_whole", {"checkpointing": True}
+
+
+def a_changes_nothing():
+    return "unit_gathered_whole", {"units": "whole"}
+
+
+def a_invents_a_cause():
+    return "communication_buffers", {"units": "blocks"}
+
+
+# -- case b: the same peak at 2 ranks and at 4 --------------------------------------------------
+def b_blames_the_unit():
+    return "unit_gathered_whole", {"units": "blocks"}
+
+
+def b_blames_the_estimate():
+    return "states_only_estimate", {"checkpointing": True}
+
+
+def b_changes_the_stage():
+    return "activations", {"stage": 2}
+
+
+def b_changes_two_settings():
+    return "activations", {"checkpointing": True, "batch_size": 8}
+
+
+def b_smaller_micro_batch():  # correct: a quarter of the batch per rank (accumulate to keep the global batch)
+    return "activations", {"batch_size": 8}
+
+
+# -- case c: slower than DDP, one unit per nn.Linear --------------------------------------------
+def c_blames_the_unit():
+    return "unit_gathered_whole", {"units": "blocks"}
+
+
+def c_blames_activations():
+    return "activations", {"checkpointing": True}
+
+
+def c_larger_units_only():  # fewer collectives, but still 3Ψ of gathers and reductions
+    return "too_many_collectives", {"units": "blocks"}
+
+
+def c_turns_prefetch_off():
+    return "too_many_collectives", {"prefetch": False}
+
+
+def c_returns_the_cause_only():
+    return "too_many_collectives"
+
+
+def c_plain_ddp():  # correct: the model fits
+    return "too_many_collectives", {"stage": 0}
+
+
+def c_zero1():  # correct: weights kept whole, 2Ψ
+    return "too_many_collectives", {"stage": 1}
+
+
+# -- case d: no_sync keeps a whole gradient -----------------------------------------------------
+def d_blames_activations():
+    return "activations", {"checkpointing": True}
+
+
+def d_blames_collectives():
+    return "too_many_collectives", {"units": "whole"}
+
+
+def d_changes_the_stage():  # ZeRO-2 under no_sync keeps the whole gradient too
+    return "unreduced_gradient", {"stage": 2}
+
+
+def d_keeps_no_sync():
+    return "unreduced_gradient", {"sync_every_micro_batch": False}
+
+
+def d_bad_units():
+    return "unreduced_gradient", {"units": "leaves"}
+
+
+A, B, C, D = "lab6.case_a", "lab6.case_b", "lab6.case_c", "lab6.case_d"
+WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
+    "a: blames activations": (A, a_blames_activations, "wrong_cause", "the same activations at stage 3 and at ZeRO-2"),
+    "a: blames collectives": (A, a_blames_collectives, "wrong_cause", "a single unit"),
+    "a: drops to ZeRO-2": (A, a_drops_to_zero2, "symptom_remains", "gives up sharding the weights"),
+    "a: checkpoints instead": (A, a_checkpoints_instead, "symptom_remains", "still not below ZeRO-2's"),
+    "a: changes nothing": (A, a_changes_nothing, "no_change", "the run already has units='whole'"),
+    "a: invents a cause": (A, a_invents_a_cause, "unknown_cause", "is not one of the course's causes"),
+    "b: blames the unit": (B, b_blames_the_unit, "wrong_cause", "the units are blocks here"),
+    "b: blames the estimate": (B, b_blames_the_estimate, "wrong_cause", "do halve from 2 ranks to 4"),
+    "b: changes the stage": (B, b_changes_the_stage, "symptom_remains", "against"),
+    "b: changes two settings": (B, b_changes_two_settings, "not_one_setting", "change exactly one setting"),
+    "c: blames the unit": (C, c_blames_the_unit, "wrong_cause", "18 units"),
+    "c: blames activations": (C, c_blames_activations, "wrong_cause", "this is a time symptom"),
+    "c: larger units only": (C, c_larger_units_only, "symptom_remains", "gathers are still there"),
+    "c: turns prefetch off": (C, c_turns_prefetch_off, "symptom_remains", "gathers are still there"),
+    "c: returns the cause only": (C, c_returns_the_cause_only, "not_a_diagnosis", "return two things"),
+    "d: blames activations": (D, d_blames_activations, "wrong_cause", "activations are freed"),
+    "d: blames collectives": (D, d_blames_collectives, "wrong_cause", "fewer reduce-scatters than usual"),
+    "d: changes the stage": (D, d_changes_the_stage, "symptom_remains", "of gradient held between micro-batches"),
+    "d: keeps no_sync": (D, d_keeps_no_sync, "no_change", "the run already has sync_every_micro_batch=False"),
+    "d: units that do not exist": (D, d_bad_units, "bad_value", "cannot be built"),
+}
+ON_THREE: dict = {}
+CORRECT = {
+    "b: a smaller micro-batch": (B, b_smaller_micro_batch),
+    "c: plain DDP": (C, c_plain_ddp),
+    "c: ZeRO-1": (C, c_zero1),
+}
