@@ -43,3 +43,30 @@ def test_a_tag_must_name_its_source():
         Measured(True, by="t")
     assert describe(Published(44, source="Table 2")) == "published (Table 2)"
     assert kind_of([Measured(1, by="t"), 2]) == "plain"
+
+
+def test_a_notebook_that_calls_a_formula_measured_fails_under_nbval(tmp_path):
+    """The guarantee end to end: the cell raises, so nbval (and CI) fails the notebook."""
+    import os
+    import subprocess
+    import sys
+
+    from support import slowdown
+
+    cells = ["from shardlab.course import predict\nfrom shardlab.instruments import memory_math\n"
+             "from shardlab.instruments.measured import Formula, Measured",
+             "predict.compare(None, Measured(2.0, by='count_comm'), what='volume in Ψ')",   # fine
+             "predict.compare(None, Formula(memory_math.comm_elements('zero3', 10) / 10, formula='3Ψ'), "
+             "what='volume in Ψ')"]
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {},
+                     "outputs": [], "source": [c]} for i, c in enumerate(cells)],
+          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "formula_as_measured.ipynb"
+    path.write_text(json.dumps(nb))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider", str(path)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=slowdown(120))
+    assert run.returncode != 0, run.stdout
+    assert "1 failed, 2 passed" in run.stdout, run.stdout[-2000:]   # the cells before it ran
+    assert "this value is a formula, not a measurement" in run.stdout
