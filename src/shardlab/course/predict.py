@@ -29,7 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from shardlab.instruments.measured import Published, describe, kind_of
+from shardlab.instruments.measured import Published, describe, kind_of, require_measured
+
+__all__ = ["compare", "require_measured"]
 
 
 def _close(guess, measured, rel_tol: float) -> bool:
@@ -50,21 +52,6 @@ def _show(value, unit: str) -> str:
     elif isinstance(value, int):
         value = f"{value:,}"
     return f"{value}{' ' + unit if unit else ''}"
-
-
-def require_measured(value, where: str) -> None:
-    """Raise a TypeError naming the fix unless ``value`` was measured by an instrument."""
-    kind = kind_of(value)
-    if kind == "measured":
-        return
-    fix = {"formula": "this value is a formula, not a measurement: pass it as formula=... "
-                      "(predict.compare) or in the formula column (side_by_side)",
-           "published": "this value is a published figure, not a measurement here: pass it as "
-                        "published=..., source=... (predict.compare)"}.get(
-        kind, "this is a plain number, not a measurement: take it from an instrument (memory_report, "
-              "track_memory, saved_activations, count_comm, trace, time_steps, stage_memory), or, "
-              "if a formula gave it, pass it as formula=...")
-    raise TypeError(f"{where}: {fix} (got {describe(value)}: {value!r})")
 
 
 def compare(guess, measured=None, *, what: str, unit: str = "", rel_tol: float = 0.05,

@@ -33,7 +33,7 @@ import math
 import numbers
 import operator
 
-__all__ = ["Measured", "Formula", "Published", "kind_of", "tag_like", "describe"]
+__all__ = ["Measured", "Formula", "Published", "kind_of", "tag_like", "describe", "require_measured"]
 
 
 class _Tagged:
@@ -245,3 +245,18 @@ def describe(value) -> str:
         return "plain number"
     tag = value.tag if isinstance(value, _Tagged) else "; ".join(sorted({v.tag for v in value}))
     return f"{kind} ({tag})"
+
+
+def require_measured(value, where: str) -> None:
+    """Raise a TypeError naming the fix unless ``value`` was measured by an instrument."""
+    kind = kind_of(value)
+    if kind == "measured":
+        return
+    fix = {"formula": "this value is a formula, not a measurement: pass it as formula=... "
+                      "(predict.compare) or in the formula column (side_by_side)",
+           "published": "this value is a published figure, not a measurement here: pass it as "
+                        "published=..., source=... (predict.compare)"}.get(
+        kind, "this is a plain number, not a measurement: take it from an instrument (memory_report, "
+              "track_memory, saved_activations, count_comm, trace, time_steps, stage_memory), or, "
+              "if a formula gave it, pass it as formula=...")
+    raise TypeError(f"{where}: {fix} (got {describe(value)}: {value!r})")
