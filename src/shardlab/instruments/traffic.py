@@ -29,12 +29,16 @@ PHASES = ("init", "forward", "backward", "step")
 FIELDS = ("calls", "elements", "bytes_sent", "seconds")
 
 
+MEASURED_FIELDS = ("calls", "elements", "seconds")  # counted or timed on this rank's live calls
+FORMULA_FIELDS = ("bytes_sent",)  # the ring formula applied to those calls
+
+
 def _tagged(field: str, value):
-    """Calls, elements (of the calls the engine issued) and seconds are counted on this rank;
-    ``bytes_sent`` is the ring formula applied to those calls, so it is tagged a formula."""
-    if field == "bytes_sent":
+    """``Measured`` for what this rank counted or timed, ``Formula`` for ``bytes_sent``; a field
+    in neither list stays a plain number (never taken for a measurement)."""
+    if field in FORMULA_FIELDS:
         return Formula(value, formula="(N-1)/N × volume × element size (a ring)")
-    return Measured(value, by="count_comm")
+    return Measured(value, by="count_comm") if field in MEASURED_FIELDS else value
 
 
 def volume(kind: str, numel: int) -> int:
