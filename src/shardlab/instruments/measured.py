@@ -29,11 +29,13 @@ a tag, so it returns a plain number: use ``statistics.median`` (which keeps it) 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
 
-__all__ = ["Measured", "Formula", "Published", "kind_of", "tag_like", "describe", "require_measured"]
+__all__ = ["Measured", "Formula", "Published", "kind_of", "tag_like", "describe", "require_measured",
+           "returns_formula"]
 
 
 class _Tagged:
@@ -225,11 +227,19 @@ def tag_like(value, kind: str, tag: str):
     if isinstance(value, dict):
         return type(value)({k: tag_like(v, kind, tag) for k, v in value.items()}) \
             if type(value) is dict else _retag_dict(value, kind, tag)
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, numbers.Real):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # not a Fraction: kept exact
         return KINDS[kind](value, tag)
     return value
+
+
+def returns_formula(text: str):
+    """Decorator for a formula module's function: its numbers come back as ``Formula(..., formula=text)``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def tagged(*args, **kwargs):
+            return tag_like(fn(*args, **kwargs), "formula", text)
+        return tagged
+    return wrap
 
 
 def _retag_dict(value: dict, kind: str, tag: str) -> dict:
