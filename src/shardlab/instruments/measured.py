@@ -55,7 +55,7 @@ class _Tagged:
             return _base_of(value)(value)
         if tag is None:
             raise TypeError(f"{cls.__name__}({value!r}) needs {cls._field}=...: say what produced it")
-        base = _base_of(value)
+        base = _PLAIN.get(type(value)) or _base_of(value)
         sub = cls._variants[base]
         obj = base.__new__(sub, value)
         obj.__dict__["tag"] = str(tag)
@@ -85,6 +85,9 @@ class _Tagged:
 
     def __deepcopy__(self, memo):
         return self
+
+
+_PLAIN = {int: int, float: float, list: list, str: str}  # the common case, without the checks below
 
 
 def _base_of(value) -> type:

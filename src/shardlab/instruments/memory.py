@@ -228,12 +228,12 @@ class MemoryTrack:
         """Tally now (the engine's tensors plus saved activations) and append a sample."""
         fields = fields or {}
         tally = _tally(self.model, self.optimizer, include_constant=False)
-        parts = {k: Measured(v, by="track_memory") for k, v in
-                 {**tally.bytes, **self._constant, "activations": self.activations._bytes}.items()}
+        raw = {**tally.bytes, **self._constant, "activations": self.activations._bytes}
         seconds = Measured(fields.get("time", time.perf_counter()) - self.t0, by="track_memory")
         s = {"rank": self.rank, "time": seconds,
              "event": event, "unit": fields.get("unit"), "phase": fields.get("phase", events.phase),
-             "bytes": parts, "total": sum(parts.values())}
+             "bytes": {k: Measured(v, by="track_memory") for k, v in raw.items()},
+             "total": Measured(sum(raw.values()), by="track_memory")}
         if self.cuda:
             s["cuda_allocated"] = Measured(torch.cuda.memory_allocated(), by="torch.cuda.memory_allocated")
         self.samples.append(s)
