@@ -10,6 +10,7 @@ from matplotlib.image import imread
 from shardlab.bench import figures
 from shardlab.instruments import memory_math as mm
 from shardlab.instruments import plots
+from shardlab.instruments.measured import Formula, Measured
 
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 
@@ -56,7 +57,8 @@ def _samples():
 
 
 PLOTS = {
-    "memory_bars": lambda: plots.memory_bars(mm.model_state_breakdown(7.5e9, 64), mm.model_state_bytes(7.5e9, 64)),
+    "memory_bars": lambda: plots.memory_bars(mm.model_state_breakdown(7.5e9, 64),
+                                             {k: Measured(v, by="test") for k, v in mm.model_state_bytes(7.5e9, 64).items()}),
     "comm_volume": lambda: plots.comm_volume(),
     "crossover": lambda: plots.crossover(world_size=4, gpu_memory_gb=24, recipe="fp32-adam"),
     "timeline": lambda: plots.timeline(_events()),
@@ -91,3 +93,10 @@ def test_memory_over_time_accepts_a_mapping_per_rank():
 def test_plots_refuse_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_measured_bar_takes_only_measurements():
+    with pytest.raises(TypeError, match="plain number, not a measurement"):
+        plots.memory_bars({"ddp": 1}, {"ddp": 1})
+    with pytest.raises(TypeError, match="formula, not a measurement"):
+        plots.memory_bars({"ddp": 1}, {"ddp": {"params": Formula(1, formula="4Ψ")}})

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import models
+from shardlab.instruments.measured import Measured
 
 
 def add_common_args(ap: argparse.ArgumentParser, *, model: str, steps_per: str, timeout: float) -> None:
@@ -48,7 +49,7 @@ def timed_rounds(items: list, step_fn, warmup: int, steps: int, sync, desc: str 
 
     Each round runs the items in a rotated order (A B C, B C A, ...), each step after ``sync()``
     (a barrier: all ranks start together). Returns ``(times, outs)``: per item, the seconds of
-    each timed step (warm-up rounds left out) and ``step_fn``'s return value of every round.
+    each timed step (warm-up rounds left out; ``Measured``) and ``step_fn``'s return value of every round.
     """
     from tqdm.auto import tqdm
 
@@ -60,7 +61,7 @@ def timed_rounds(items: list, step_fn, warmup: int, steps: int, sync, desc: str 
             sync()
             t0 = time.perf_counter()
             out = step_fn(item, step)
-            elapsed = time.perf_counter() - t0
+            elapsed = Measured(time.perf_counter() - t0, by="timed_rounds")
             if step >= warmup:
                 times[item].append(elapsed)
             outs[item].append(out)

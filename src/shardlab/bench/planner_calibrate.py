@@ -22,6 +22,7 @@ from __future__ import annotations
 from shardlab.instruments import planner as P
 from shardlab.instruments import planner_presets as pp
 from shardlab.instruments.link import Link, fit_link
+from shardlab.instruments.measured import Formula
 
 SIZES = (2**16, 2**17, 2**18)  # float32 elements per rank: 0.25, 0.5, 1 MB
 STAGES = (0, 3)
@@ -126,5 +127,5 @@ def predict(result: dict) -> dict:
     for s in STAGES:
         plan = P.Plan(s, micro_batch=result["options"]["batch"], recipe="fp32-adam")
         compute = min(result[f"compute_{t}"] for t in STAGES)  # see the module docstring
-        out[s] = P.step_time(model, cluster, plan, compute_s=compute).step_s
+        out[s] = Formula(P.step_time(model, cluster, plan, compute_s=compute).step_s, formula="planner.step_time")
     return out

@@ -6,9 +6,14 @@
     assert abs(ratios["grads"] - 1) < 0.01
 
 The ratio is measured / formula, so 1.000 means the formula predicted the live ranks exactly.
+The measured column takes only :class:`~shardlab.instruments.measured.Measured` values (what
+the instruments return): a plain number or a formula there raises a TypeError, so a table
+cannot print a formula under "measured". The formula column takes any number.
 """
 
 from __future__ import annotations
+
+from shardlab.course.predict import require_measured
 
 SCALES = {"bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "elements": 1, "ms": 1e-3, "s": 1}
 
@@ -20,6 +25,8 @@ def side_by_side(rows, unit: str = "bytes", title: str | None = None, measured_b
     rows = [tuple(r) for r in rows]
     if not rows or any(len(r) != 4 for r in rows):
         raise ValueError("rows must be (label, formula text, formula value, measured value) tuples")
+    for label, _text, _formula, measured in rows:
+        require_measured(measured, f"side_by_side row {label!r}, measured column")
     scale = SCALES[unit]
     fmt = (lambda v: f"{v / scale:,.0f}") if scale == 1 else (lambda v: f"{v / scale:,.3f}")
     width = max(len(str(r[0])) for r in rows) + 2

@@ -4,6 +4,9 @@ They keep a notebook cell to a few lines without hiding anything the cell is abo
 training step is the plain PyTorch loop, and the timing is "interleave the runs, put every
 rank at a barrier before each step, keep each step's seconds". A step lasts as long as its
 slowest rank, so the notebook takes, per step, the maximum over ranks (:func:`slowest_median`).
+
+Seconds and bytes measured here are :class:`~shardlab.instruments.measured.Measured`; what the
+emulated link's α-β model says it needed is a :class:`~shardlab.instruments.measured.Formula`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from shardlab.engine import comm
 from shardlab.engine.api import parallelize
 from shardlab.engine.units import checkpoint_units
 from shardlab.instruments.link import LINKS, emulate_link, link_delay
+from shardlab.instruments.measured import Formula, Measured
 
 
 def build(size: str = "small", stage: int = 0, *, seed: int = 0, device=None, checkpoint: bool = False,
@@ -74,10 +78,18 @@ def _timed_step(model, optimizer, x, y, link, overlap) -> tuple[float, float, fl
     t0 = time.perf_counter()
     if spec is None:
         train_step(model, optimizer, x, y)
-        return time.perf_counter() - t0, 0.0, 0.0
+        return Measured(time.perf_counter() - t0, by="time_steps"), _link_formula(0.0), _wait_formula(0.0)
     with emulate_link(**spec, overlap=overlap) as em:
         train_step(model, optimizer, x, y)
-    return time.perf_counter() - t0, em.link_time_s, em.slept_s
+    return Measured(time.perf_counter() - t0, by="time_steps"), _link_formula(em.link_time_s), _wait_formula(em.slept_s)
+
+
+def _link_formula(seconds: float) -> Formula:  # what the emulated link was told a transfer costs
+    return Formula(seconds, formula="α-β ring model (link_delay)")
+
+
+def _wait_formula(seconds: float) -> Formula:  # the emulator's sleep: model time compute did not hide
+    return Formula(seconds, formula="α-β link time not hidden behind compute (emulate_link)")
 
 
 def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overlap: bool = True) -> dict:
@@ -138,7 +150,8 @@ def predicted_link_s(records: list[dict], world_size: int, link) -> float:
     preset = LINKS.get(spec.get("preset"))
     bandwidth = spec.get("bandwidth_gbps", preset.bandwidth_gbps if preset else None)
     latency = spec.get("latency_us", preset.latency_us if preset else 0.0)
-    return sum(link_delay(r["kind"], r["numel"], r["dtype"], world_size, bandwidth, latency) for r in records)
+    return Formula(sum(link_delay(r["kind"], r["numel"], r["dtype"], world_size, bandwidth, latency)
+                       for r in records), formula="α-β ring model (link_delay)")
 
 
 def stage_memory(stage: int, size: str = "small", batch_size: int = 4, *, precision=None, device=None) -> dict:
@@ -176,8 +189,9 @@ def stage_memory(stage: int, size: str = "small", batch_size: int = 4, *, precis
                stepped=len(optimizer.state))  # parameters (pieces) with AdamW state: a step counter each
     if cuda:
         torch.cuda.synchronize(device)
-        out.update(cuda_rest=torch.cuda.memory_allocated(device) - base,
-                   cuda_peak=torch.cuda.max_memory_allocated(device) - base,
+        out.update(cuda_rest=Measured(torch.cuda.memory_allocated(device) - base, by="torch.cuda.memory_allocated"),
+                   cuda_peak=Measured(torch.cuda.max_memory_allocated(device) - base,
+                                      by="torch.cuda.max_memory_allocated"),
                    gpu=torch.cuda.get_device_name(device))
     return out
 
@@ -209,7 +223,8 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
             _sync(device)
             worst = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
             comm.all_reduce_max(worst)  # the slowest rank's time
-            rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=worst.item(), world_size=world))
+            rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=Measured(worst.item(), by="collective_times"),
+                             world_size=world))
     return rows
 
 

@@ -15,6 +15,9 @@ says how much of ``total`` it is (not added again). A freed stage-3 unit counts 
 the ZeRO paper: an fp32 master beside bf16 weights is optimizer state (K = 12 includes it); a
 master that *is* the weights (fp32) is params. AdamW's ``step`` counters (4 bytes per tensor
 it steps) are optimizer state.
+
+Every byte count returned is a :class:`~shardlab.instruments.measured.Measured` number
+(``.by`` names the instrument), so the course's tables accept it as a measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn as nn
 from shardlab.engine import events
 from shardlab.engine.api import ShardedModule, engine_of
 from shardlab.engine.comm import gather_lists
+from shardlab.instruments.measured import Measured
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "frozen", "buffers")
 
@@ -120,7 +124,8 @@ def memory_report(model: nn.Module, optimizer=None) -> MemoryReport:
     if optimizer is not None and not isinstance(_inner(optimizer), torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
     tally = _tally(model, optimizer)
-    return MemoryReport(**tally.bytes, total=sum(tally.bytes.values()), padding=tally.padding)
+    counted = dict(**tally.bytes, total=sum(tally.bytes.values()), padding=tally.padding)
+    return MemoryReport({k: Measured(v, by="memory_report") for k, v in counted.items()})
 
 
 class _Saved:
@@ -135,7 +140,7 @@ class _Saved:
         entry = self.owner._live[self.key]
         entry[0] -= 1
         if entry[0] == 0:
-            self.owner.bytes -= entry[1]
+            self.owner._bytes -= entry[1]
             del self.owner._live[self.key]
 
 
@@ -144,9 +149,19 @@ class SavedActivations:
 
     def __init__(self, model: nn.Module | None = None):
         self.model = model
-        self.bytes = 0  # saved now
-        self.peak = 0  # most saved at once
+        self._bytes = 0  # saved now
+        self._peak = 0  # most saved at once
         self._live: dict = {}  # storage key -> [references, nbytes]
+
+    @property
+    def bytes(self) -> Measured:
+        """Bytes saved for backward now (0 once backward has freed the graph)."""
+        return Measured(self._bytes, by="saved_activations")
+
+    @property
+    def peak(self) -> Measured:
+        """The most bytes saved at once."""
+        return Measured(self._peak, by="saved_activations")
 
     def _excluded(self) -> set:
         """Weights and buffers are saved by layers but are not activations. Read at each save:
@@ -162,8 +177,8 @@ class SavedActivations:
             return t
         entry = self._live.setdefault(key, [0, nbytes])
         if entry[0] == 0:
-            self.bytes += entry[1]
-            self.peak = max(self.peak, self.bytes)
+            self._bytes += entry[1]
+            self._peak = max(self._peak, self._bytes)
         entry[0] += 1
         return _Saved(t, key, self)
 
@@ -213,12 +228,14 @@ class MemoryTrack:
         """Tally now (the engine's tensors plus saved activations) and append a sample."""
         fields = fields or {}
         tally = _tally(self.model, self.optimizer, include_constant=False)
-        parts = {**tally.bytes, **self._constant, "activations": self.activations.bytes}
-        s = {"rank": self.rank, "time": fields.get("time", time.perf_counter()) - self.t0,
+        raw = {**tally.bytes, **self._constant, "activations": self.activations._bytes}
+        seconds = Measured(fields.get("time", time.perf_counter()) - self.t0, by="track_memory")
+        s = {"rank": self.rank, "time": seconds,
              "event": event, "unit": fields.get("unit"), "phase": fields.get("phase", events.phase),
-             "bytes": parts, "total": sum(parts.values())}
+             "bytes": {k: Measured(v, by="track_memory") for k, v in raw.items()},
+             "total": Measured(sum(raw.values()), by="track_memory")}
         if self.cuda:
-            s["cuda_allocated"] = torch.cuda.memory_allocated()
+            s["cuda_allocated"] = Measured(torch.cuda.memory_allocated(), by="torch.cuda.memory_allocated")
         self.samples.append(s)
 
     @property
@@ -268,4 +285,4 @@ def track_memory(model: nn.Module | None = None, optimizer=None):
             h.remove()
     mem.sample("end")
     if mem.cuda:
-        mem.cuda_peak = torch.cuda.max_memory_allocated()
+        mem.cuda_peak = Measured(torch.cuda.max_memory_allocated(), by="torch.cuda.max_memory_allocated")

@@ -9,13 +9,16 @@ check a printed table without float error. "GB" is 10^9 bytes, the paper's unit;
 
 Only *model states* are counted. Activations, gathered units at stage 3, communication
 buffers and allocator fragmentation come on top: see :func:`gathered_unit_bytes`,
-:func:`activation_bytes` and the measured instruments. Run ``python -m shardlab memory --params 7.5e9 --gpus 64`` for the CLI table.
+:func:`activation_bytes` and the measured instruments. Byte and element counts come back as
+:class:`~shardlab.instruments.measured.Formula` numbers, so they cannot pass for measurements. Run ``python -m shardlab memory --params 7.5e9 --gpus 64`` for the CLI table.
 """
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+
+from shardlab.instruments.measured import returns_formula
 
 GB = 10**9
 GIB = 2**30
@@ -92,6 +95,7 @@ def _check(params, world_size):
         raise ValueError(f"world_size (number of devices) must be a positive integer, got {world_size!r}")
 
 
+@returns_formula("memory_math.model_state_breakdown (ZeRO paper, §3)")
 def model_state_breakdown(params, world_size, recipe_=MIXED_ADAM) -> dict[str, dict[str, float]]:
     """Per-device bytes of params / grads / optimizer state for each stage (the paper's Fig. 1)."""
     _check(params, world_size)
@@ -106,6 +110,7 @@ def model_state_breakdown(params, world_size, recipe_=MIXED_ADAM) -> dict[str, d
     }
 
 
+@returns_formula("memory_math.model_state_bytes (ZeRO paper, §3)")
 def model_state_bytes(params, world_size, recipe_=MIXED_ADAM) -> dict[str, float]:
     """Per-device model-state bytes for each stage: 16Ψ, 4Ψ+12Ψ/Nd, 2Ψ+14Ψ/Nd, 16Ψ/Nd for mixed Adam."""
     return {s: sum(parts.values()) for s, parts in model_state_breakdown(params, world_size, recipe_).items()}
@@ -135,6 +140,7 @@ def first_fitting_stage(params, world_size, device_bytes, recipe_=MIXED_ADAM, *,
     return next((s for s in STAGES if totals[s] <= room), None)
 
 
+@returns_formula("memory_math.gathered_unit_bytes")
 def gathered_unit_bytes(largest_unit_params, recipe_=MIXED_ADAM, *, prefetch=True, include_grad=False):
     """Extra room at stage 3 for gathered units, on top of the sharded state.
 
@@ -150,12 +156,14 @@ def gathered_unit_bytes(largest_unit_params, recipe_=MIXED_ADAM, *, prefetch=Tru
     return extra + (largest_unit_params * r.grad_bytes if include_grad else 0)
 
 
+@returns_formula("memory_math.comm_elements (ZeRO paper, §7)")
 def comm_elements(stage, params) -> float:
     """Elements each rank sends+receives per step, as the paper counts them: 2Ψ, 2Ψ, 2Ψ, 3Ψ."""
     _check(params, 1)
     return sum(k for _, k in COMM_COLLECTIVES[stage_name(stage)]) * params
 
 
+@returns_formula("(N-1)/N × volume × element size (memory_math.ring_bytes_per_rank)")
 def ring_bytes_per_rank(stage, params, world_size, dtype_bytes=2) -> float:
     """Bytes each rank actually sends in ring collectives per step: (N-1)/N × volume × dtype size."""
     _check(params, world_size)
@@ -187,6 +195,7 @@ def gpt_param_count(cfg) -> int:
     return root + cfg.n_layer * block
 
 
+@returns_formula("memory_math.activation_bytes")
 def activation_bytes(cfg, batch_size, dtype_bytes=4, *, checkpoint=False) -> dict[str, int]:
     """Estimated activation memory of one forward of the course's GPT, kept for backward.
 

@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from shardlab.instruments import memory_math as mm
+from shardlab.instruments.measured import require_measured
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 HATCHES = ["//", "..", "xx", "\\\\", "oo", "--", "++", "**"]
@@ -75,6 +76,9 @@ def _stacked_bars(ax, formula: Mapping, measured: Mapping | None, divisor: float
     """Grouped bars per stage (formula, then measured), each stacked by category."""
     if not formula:
         raise ValueError("nothing to plot: the formula dict is empty")
+    for stage, value in (measured or {}).items():  # a measured bar must be a measurement
+        for cat, v in _parts(value).items():
+            require_measured(v, f"the measured bar of {stage!r} ({cat})")
     series = [("formula", formula)] + ([("measured", measured)] if measured else [])
     stages = list(formula) + [s for s in (measured or {}) if s not in formula]
     cats = list(dict.fromkeys(c for _, d in series for v in d.values() for c in _parts(v)))

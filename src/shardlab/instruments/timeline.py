@@ -15,6 +15,7 @@ Clocks: each process reads ``time.perf_counter()``. On entry every rank waits at
 takes that moment as its zero, so times are seconds since a common start (to within the
 barrier's skew, microseconds on one machine). On exit the events of all ranks are exchanged
 (``all_gather_object``), so every rank, rank 0 included, holds the whole picture in ``events``.
+``start`` and ``end`` are :class:`~shardlab.instruments.measured.Measured` seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from shardlab.engine import comm, events
+from shardlab.instruments.measured import Measured
 
 
 class Trace:
@@ -43,7 +45,8 @@ class Trace:
 
     def _add(self, lane, kind, unit, start, end, **extra) -> None:
         self.local.append(dict(rank=self.rank, lane=lane, kind=kind, unit=unit,
-                               start=start - self.t0, end=end - self.t0, **extra))
+                               start=Measured(start - self.t0, by="trace"),
+                               end=Measured(end - self.t0, by="trace"), **extra))
 
     def on_event(self, name: str, f: dict) -> None:
         unit, t = f.get("unit"), f["time"]

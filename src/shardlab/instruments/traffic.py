@@ -22,10 +22,23 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from shardlab.engine import events
+from shardlab.instruments.measured import Formula, Measured
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 PHASES = ("init", "forward", "backward", "step")
 FIELDS = ("calls", "elements", "bytes_sent", "seconds")
+
+
+MEASURED_FIELDS = ("calls", "elements", "seconds")  # counted or timed on this rank's live calls
+FORMULA_FIELDS = ("bytes_sent",)  # the ring formula applied to those calls
+
+
+def _tagged(field: str, value):
+    """``Measured`` for what this rank counted or timed, ``Formula`` for ``bytes_sent``; a field
+    in neither list stays a plain number (never taken for a measurement)."""
+    if field in FORMULA_FIELDS:
+        return Formula(value, formula="(N-1)/N × volume × element size (a ring)")
+    return Measured(value, by="count_comm") if field in MEASURED_FIELDS else value
 
 
 def volume(kind: str, numel: int) -> int:
@@ -70,8 +83,8 @@ class Ledger:
         for name, value, allowed in (("kind", kind, KINDS), ("phase", phase, PHASES)):
             if value is not None and value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
-        return sum(row[field] for (p, k), row in self.rows.items()
-                   if (kind is None or k == kind) and (phase is None or p == phase))
+        return _tagged(field, sum(row[field] for (p, k), row in self.rows.items()
+                                  if (kind is None or k == kind) and (phase is None or p == phase)))
 
     def calls(self, kind=None, phase=None) -> int:
         return self.total("calls", kind, phase)
@@ -90,7 +103,7 @@ class Ledger:
         """``{phase: {kind: {calls, elements, bytes_sent, seconds}}}`` for the phases seen."""
         out: dict = {}
         for (phase, kind), row in sorted(self.rows.items(), key=lambda kv: (PHASES.index(kv[0][0]), KINDS.index(kv[0][1]))):
-            out.setdefault(phase, {})[kind] = dict(row)
+            out.setdefault(phase, {})[kind] = {f: _tagged(f, v) for f, v in row.items()}
         return out
 
     def summary(self, params: int | None = None) -> dict:
