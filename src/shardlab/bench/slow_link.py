@@ -46,7 +46,7 @@ from shardlab.bench.harness import (
 from shardlab.bench.report import SHORT
 from shardlab.engine.comm import barrier
 from shardlab.instruments.link import LINKS, link_delay
-from shardlab.instruments.traffic import ring_bytes_sent, volume
+from shardlab.instruments.traffic import ring_bytes, volume
 
 STAGES = (0, 3)
 DEFAULT_LINKS = ("none", "NVLink", "InfiniBand", "10GbE", "1GbE")
@@ -148,7 +148,7 @@ def summarize(opts: dict, per_rank: list[dict], wall: float) -> dict:
     for s in STAGES:
         recs = records[s]
         elements = sum(volume(r["kind"], r["numel"]) for r in recs)
-        ring = sum(ring_bytes_sent(r["kind"], r["numel"], n, r["itemsize"]) for r in recs)
+        ring = sum(ring_bytes(r["kind"], r["numel"], n, r["itemsize"]) for r in recs)
         calls = {}
         for r in recs:
             calls[r["kind"]] = calls.get(r["kind"], 0) + 1
