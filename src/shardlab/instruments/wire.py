@@ -38,6 +38,7 @@ ledger with a CUDA collective says unavailable too.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -56,8 +57,8 @@ class WireUnavailableError(RuntimeError):
 class Unavailable:
     """A wire count this machine cannot give, and why. Not a number: arithmetic raises.
 
-    ``bool(x)`` is False, ``str(x)`` says ``unavailable (reason)``, and in a formatted table
-    it prints ``unavailable`` in the column's width.
+    ``bool(x)`` is False, ``str(x)`` and ``f"{x}"`` say ``unavailable (reason)``, and in a
+    formatted table column (``f"{x:>12.3f}"``) it prints ``unavailable`` in the column's width.
     """
 
     def __init__(self, reason: str):
@@ -79,6 +80,8 @@ class Unavailable:
         return f"unavailable ({self.reason})"
 
     def __format__(self, spec: str) -> str:
+        if not spec:
+            return str(self)
         width = re.match(r"\D*(\d*)", spec).group(1)
         return "unavailable".rjust(int(width) if width else 0)
 
@@ -227,10 +230,12 @@ def tcp_bytes_written():
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate: closing it leaves fd open
-        except OSError:
-            continue
-        with sock:
+            dup = os.dup(int(fd))  # a duplicate: closing it leaves the program's fd open
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EBADF):  # closed since listdir (listdir's own fd)
+                continue
+            raise
+        with socket.socket(fileno=dup) as sock:
             if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
