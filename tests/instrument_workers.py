@@ -194,4 +194,5 @@ def wire_against_tcp(numels: dict, noise_bytes: int = 65536) -> dict:
                     got.update(ledger_wire=ledger.wire_bytes(), ring=ledger.ring_bytes(), record=dict(ledger.records[0]),
                                row=ledger.as_dict()["init"][kind], table=ledger.table())
                 out.setdefault(n, {})[kind] = got
+    comm.barrier()  # no rank leaves (closing its connections, and their counters) before all have read
     return dict(rank=rank, numel=numels, noise=noise_bytes, sizes=out)

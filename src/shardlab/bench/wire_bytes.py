@@ -58,6 +58,7 @@ def collectives_on_rank(numel: int) -> dict:
             one_collective(kind, numel)
         tcp1 = tcp_bytes_written()
         out[kind] = dict(wire=ledger.wire_bytes(), ring=ledger.ring_bytes(), tcp=tcp1 - tcp0)
+    comm.barrier()  # no rank leaves (closing its connections, and their counters) before all have read
     return out
 
 

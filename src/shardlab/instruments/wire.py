@@ -222,6 +222,8 @@ def tcp_bytes_written():
     still queued (not yet sent), i.e. what the program wrote. A different mechanism from the
     threads' ``wchar``, used by the tests to check :class:`GlooWire`; it also counts the
     rendezvous store's and any zmq socket's bytes, so it is a cross-check, not the instrument.
+    A connection's counters go with it when it closes, so read it while every rank is still in
+    the process group (a barrier after the last reading): a peer that leaves early takes them.
     """
     if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
         return Unavailable(f"no TCP_INFO socket counters on {sys.platform}")
