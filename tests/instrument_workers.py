@@ -141,3 +141,58 @@ def bookkeeping_collectives() -> dict:
         comm.barrier()
     return dict(worst=worst.tolist(), events=seen, ready=comm.dist_ready(),
                 rows=measure.collective_times(sizes_mb=(0.01,), iters=1))
+
+
+
+def wire_against_tcp(numels: dict, noise_bytes: int = 65536) -> dict:
+    """On 4 ranks, one collective of each kind at 2, 3 and 4 ranks (the first 2 and 3 ranks in
+    groups of their own, the 4 through the engine's comm and its ledger). Per (world size, kind)
+    on this rank: the wire instrument's bytes, the same sockets' bytes by their TCP counters
+    (another kernel mechanism), the process's whole ``wchar`` (which also sees ``noise_bytes``
+    written to a file inside the block), and at 4 ranks the ledger's view of the same call.
+    ``numels[n]`` is the full buffer's size at n ranks."""
+    import tempfile
+
+    from shardlab.engine import comm
+    from shardlab.instruments.wire import count_wire, tcp_bytes_written
+
+    def proc_wchar():
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+    def runs(n, group):
+        numel = numels[n]
+        if group is None:  # the whole world: through the engine's one door, as training does
+            return {"all_gather": lambda: comm.all_gather(torch.ones(numel), torch.ones(numel // n)),
+                    "reduce_scatter": lambda: comm.reduce_scatter(torch.empty(numel // n), torch.ones(numel)),
+                    "all_reduce": lambda: comm.all_reduce(torch.ones(numel)),
+                    "broadcast": lambda: comm.broadcast(torch.ones(numel), src=0)}
+        return {"all_gather": lambda: dist.all_gather_single(torch.ones(numel), torch.ones(numel // n), group=group),
+                "reduce_scatter": lambda: dist.reduce_scatter_single(torch.empty(numel // n), torch.ones(numel),
+                                                                     group=group),
+                "all_reduce": lambda: dist.all_reduce(torch.ones(numel), group=group),
+                "broadcast": lambda: dist.broadcast(torch.ones(numel), src=0, group=group)}
+
+    rank, out = dist.get_rank(), {}
+    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: None}
+    with tempfile.TemporaryFile() as scratch:
+        for n, group in groups.items():
+            member = rank < n
+            for kind, run in runs(n, group).items():
+                if member:
+                    run()  # warm-up: gloo's first call of a kind sets up its buffers
+                comm.barrier()
+                tcp0, proc0 = tcp_bytes_written(), proc_wchar()
+                with count_wire() as wire, shardlab.count_comm() as ledger:
+                    if member:
+                        run()
+                    scratch.write(b"x" * noise_bytes)  # a write to a file, not a socket
+                    scratch.flush()
+                tcp1, proc1 = tcp_bytes_written(), proc_wchar()
+                got = dict(wire=wire.bytes, tcp=tcp1 - tcp0, proc=proc1 - proc0, member=member)
+                if group is None:
+                    got.update(ledger_wire=ledger.wire_bytes(), ring=ledger.ring_bytes(), record=dict(ledger.records[0]),
+                               row=ledger.as_dict()["init"][kind], table=ledger.table())
+                out.setdefault(n, {})[kind] = got
+    comm.barrier()  # no rank leaves (closing its connections, and their counters) before all have read
+    return dict(rank=rank, numel=numels, noise=noise_bytes, sizes=out)

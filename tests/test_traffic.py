@@ -12,7 +12,7 @@ from instrument_workers import measured
 
 import shardlab
 from shardlab.engine import events
-from shardlab.instruments.traffic import Ledger, ring_bytes_sent, volume
+from shardlab.instruments.traffic import Ledger, ring_bytes, volume
 
 WORLD_SIZES = (2, 3, 4)
 
@@ -73,7 +73,7 @@ def test_ring_bytes_are_n_minus_1_over_n_of_the_volume(world_size):
     for m in measured(world_size)[0][:4]:
         for kinds in m["ledger"].values():
             for row in kinds.values():
-                assert row["bytes_sent"] == pytest.approx((world_size - 1) / world_size * row["elements"] * 4)
+                assert row["ring_bytes"] == pytest.approx((world_size - 1) / world_size * row["elements"] * 4)
                 assert row["seconds"] > 0
 
 
@@ -90,7 +90,7 @@ def test_ledger_books_calls_by_kind_and_phase():
         _emit("reduce_scatter", 100, "backward")
     assert ledger.calls() == 3 and ledger.elements() == 400
     assert ledger.elements(kind="all_reduce") == 200 and ledger.elements(phase="forward") == 100
-    assert ledger.bytes_sent(kind="all_reduce") == 0.75 * 200 * 2
+    assert ledger.ring_bytes(kind="all_reduce") == 0.75 * 200 * 2
     assert ledger.seconds() == pytest.approx(1.5)
     assert ledger.as_dict()["backward"]["reduce_scatter"]["calls"] == 1
     assert ledger.summary(params=100)["total"]["psi"] == 4.0
@@ -109,4 +109,4 @@ def test_ledger_refuses_unknown_names():
         ledger.calls(phase="warmup")
     with pytest.raises(ValueError, match="collective"):
         volume("send", 10)
-    assert ring_bytes_sent("all_gather", 8, 1, 4) == 0  # one rank sends nothing
+    assert ring_bytes("all_gather", 8, 1, 4) == 0  # one rank sends nothing

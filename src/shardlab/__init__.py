@@ -10,6 +10,7 @@ Engine (one plain-PyTorch API for stages 0-3)::
 Instruments (every number measured on live ranks)::
 
     shardlab.memory_report(model, optimizer)        with shardlab.count_comm() as comm: ...
+    with shardlab.count_wire() as wire: ...         # bytes on this rank's wire, from the kernel
     with shardlab.track_memory() as mem: ...        with shardlab.trace() as tr: ...
     with shardlab.emulate_link("10GbE"): ...
 
@@ -40,6 +41,7 @@ _EXPORTS = {
     "track_memory": "shardlab.instruments.memory",
     "saved_activations": "shardlab.instruments.memory",
     "count_comm": "shardlab.instruments.traffic",
+    "count_wire": "shardlab.instruments.wire",
     "trace": "shardlab.instruments.timeline",
     "emulate_link": "shardlab.instruments.link",
     "LINKS": "shardlab.instruments.link",

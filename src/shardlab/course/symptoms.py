@@ -93,7 +93,7 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     optimizer.zero_grad()
     return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
                 reduce_scatters=ledger.calls("reduce_scatter"),
-                ring_formula_bytes=ledger.bytes_sent(), weights=weights)
+                ring_formula_bytes=ledger.ring_bytes(), weights=weights)
 
 
 def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:

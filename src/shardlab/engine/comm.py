@@ -9,7 +9,7 @@ Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
 
 We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
 silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event when
-issued (kind, ``numel`` of the full buffer, dtype, world size, unit, start) and ``"comm_done"``
+issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and ``"comm_done"``
 when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
 :mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
 
@@ -63,6 +63,7 @@ def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pendin
             kind=kind,
             numel=(inp if kind == "reduce_scatter" else out).numel(),  # the full buffer
             dtype=out.dtype,
+            device=out.device.type,  # cuda: NCCL carries it, no socket of this process does
             world_size=dist.get_world_size(),
             unit=unit,
             start=time.perf_counter(),

@@ -11,6 +11,13 @@ link of a given bandwidth and latency would need, by the textbook ring cost (α-
 ``bytes`` is the FULL buffer (N shards), α the per-message latency, β the per-direction
 bandwidth of each rank's link. One rank sends nothing, so N = 1 costs nothing.
 
+The emulated link charges the RING's bytes, as NCCL would, not the bytes gloo really writes
+on loopback. They differ: gloo runs a reduce-scatter as an all-reduce of the full buffer, twice
+the ring's bytes, and its broadcast is a tree (:mod:`shardlab.instruments.wire` measures both).
+Charging gloo's bytes would make ZeRO-1/2/3 look dearer on the emulated cluster than on a real
+GPU one, whose NCCL reduce-scatter is a ring; so the link models the network the course is
+about, and the ledger's ``wire_bytes`` shows what this machine's loopback carried instead.
+
 Why sleep when the collective completes (``comm_done``) and not when it is issued: a transfer
 on a real link starts when it is issued and runs while the rank computes; an async op only
 blocks at ``wait()``. Sleeping at issue would block the issuing thread and make overlap

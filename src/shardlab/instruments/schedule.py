@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from shardlab.engine import events
 from shardlab.instruments.collectives import Recorder
-from shardlab.instruments.traffic import ring_bytes_sent
+from shardlab.instruments.traffic import ring_bytes
 
 SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
          "forward": "F", "backward": "B", "free": "free"}
@@ -51,7 +51,7 @@ class Schedule:
         return sum(r["numel"] for r in self.calls(unit, kind))
 
     def ring_bytes(self, unit=None, kind=None) -> float:
-        return sum(ring_bytes_sent(r["kind"], r["numel"], self.world_size, r["dtype"].itemsize)
+        return sum(ring_bytes(r["kind"], r["numel"], self.world_size, r["dtype"].itemsize)
                    for r in self.calls(unit, kind))
 
     def wire(self, unit=None, kind=None) -> float | None:
