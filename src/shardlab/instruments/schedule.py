@@ -10,7 +10,7 @@ numel of the full buffer, dtype, reduce op) and the stream of collectives and ``
     for name, a, b in differences(ours, theirs): ...
 
 The bytes are the ring formula, (N-1)/N x numel x element size, not the wire. A record may
-carry measured wire bytes under ``wire`` (the traffic ledger's records, once they have them):
+carry measured wire bytes under ``wire_bytes`` (the traffic ledger's records, once they have them):
 the table then adds a wire column beside the formula. Any list of records with the ledger's
 keys (kind, unit, numel, dtype) makes a Schedule: ``Schedule(ledger.records, [], world_size)``.
 """
@@ -55,8 +55,8 @@ class Schedule:
                    for r in self.calls(unit, kind))
 
     def wire(self, unit=None, kind=None) -> float | None:
-        """Measured wire bytes, if every record carries them (``wire``); else None."""
-        got = [r.get("wire") for r in self.calls(unit, kind)]
+        """Measured wire bytes, if every record carries them (``wire_bytes``); else None."""
+        got = [r.get("wire_bytes") for r in self.calls(unit, kind)]
         return sum(got) if got and None not in got else None
 
     def order(self, short=lambda u: u) -> str:
