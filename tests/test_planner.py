@@ -8,10 +8,9 @@ import sys
 import pytest
 from support import slowdown
 
+from shardlab import planner
 from shardlab.instruments import memory_math as mm
-from shardlab.instruments import planner as P
-from shardlab.instruments import planner_presets as pp
-from shardlab.instruments.planner_step import Unit, replay
+from shardlab.planner.step import Unit, replay
 
 GIB = 2**30
 
@@ -23,7 +22,7 @@ GIB = 2**30
     ("gpt3-125m", 125e6), ("gpt3-13b", 12.85e9),
 ])
 def test_named_models_have_their_published_sizes(name, published):
-    assert pp.model(name).params == pytest.approx(published, rel=0.005)
+    assert planner.model(name).params == pytest.approx(published, rel=0.005)
 
 
 def test_the_course_gpt_counts_as_memory_math_does():
@@ -36,35 +35,35 @@ def test_the_course_gpt_counts_as_memory_math_does():
 
 
 def test_names_and_bad_inputs():
-    assert pp.model("70B") is pp.model("llama3-70b") and pp.gpu("H100").peak_flops == 989e12
-    for bad, fn in (("71b", pp.model), ("tpu", pp.gpu), ("wifi", pp.network)):
+    assert planner.model("70B") is planner.model("llama3-70b") and planner.gpu("H100").peak_flops == 989e12
+    for bad, fn in (("71b", planner.model), ("tpu", planner.gpu), ("wifi", planner.network)):
         with pytest.raises(ValueError, match="choose one of"):
             fn(bad)
     with pytest.raises(ValueError, match="whole nodes"):
-        pp.cluster("h100", 12, "ib-ndr")
+        planner.cluster("h100", 12, "ib-ndr")
     with pytest.raises(ValueError, match="checkpointing"):
-        P.Plan("zero3", checkpointing="some")
+        planner.Plan("zero3", checkpointing="some")
     with pytest.raises(ValueError, match="must divide"):
-        P.memory("8b", pp.cluster("h100", 16), P.Plan("hsdp", shard_group=3))
-    assert P.Plan(3).stage == "zero3" and P.Plan("HSDP").stage == "hsdp"
+        planner.memory(planner.model("8b"), planner.cluster("h100", 16), planner.Plan("hsdp", shard_group=3))
+    assert planner.Plan(3).stage == "zero3" and planner.Plan("HSDP").stage == "hsdp"
 
 
 def test_memory_is_the_sum_of_its_formulas():
-    m, c = pp.model("8b"), pp.cluster("h100", 64, "ib-ndr")
+    m, c = planner.model("8b"), planner.cluster("h100", 64, "ib-ndr")
     for stage in ("ddp", "zero1", "zero2", "zero3"):
-        mem = P.memory(m, c, P.Plan(stage, micro_batch=2, checkpointing="selective"))
+        mem = planner.memory(m, c, planner.Plan(stage, micro_batch=2, checkpointing="selective"))
         assert mem.model_states == mm.model_state_bytes(m.params, 64)[stage]
         assert mem.activations == m.layers * 34 * m.seq * 2 * m.hidden + 4 * m.seq * 2 * m.vocab
         expect = m.root_params * 2 + mm.gathered_unit_bytes(m.block_params, "mixed-adam", include_grad=True)
         assert mem.gathered == (expect if stage == "zero3" else 0)
-    hsdp = P.memory(m, c, P.Plan("hsdp", shard_group=8))
+    hsdp = planner.memory(m, c, planner.Plan("hsdp", shard_group=8))
     assert hsdp.model_states == 16 * m.params / 8  # sharded over the group, not all 64
-    assert P.memory(m, c, P.Plan("zero3", prefetch=False)).gathered < P.memory(m, c, P.Plan("zero3")).gathered
+    assert planner.memory(m, c, planner.Plan("zero3", prefetch=False)).gathered < planner.memory(m, c, planner.Plan("zero3")).gathered
 
 
 def test_activations_do_not_shrink_with_more_gpus():
-    m, plan = pp.model("70b"), P.Plan("zero3", checkpointing="selective")
-    small, big = (P.memory(m, pp.cluster("h100", n), plan) for n in (64, 1024))
+    m, plan = planner.model("70b"), planner.Plan("zero3", checkpointing="selective")
+    small, big = (planner.memory(m, planner.cluster("h100", n), plan) for n in (64, 1024))
     assert small.activations == big.activations and big.model_states == small.model_states / 16
 
 
@@ -96,35 +95,35 @@ def test_replay_limits():
 
 
 def test_rings_across_nodes_share_the_nodes_nics():
-    c = pp.cluster("a100", 64, "ib-hdr")  # 8 HDR NICs a node: 200 GB/s a node
-    whole = P.groups(c, P.Plan("zero3"))[0]
+    c = planner.cluster("a100", 64, "ib-hdr")  # 8 HDR NICs a node: 200 GB/s a node
+    whole = planner.groups(c, planner.Plan("zero3"))[0]
     assert whole.bandwidth_gbps == pytest.approx(1600) and whole.latency_us == c.inter.latency_us
-    shard, reps = P.groups(c, P.Plan("hsdp", shard_group=8))
+    shard, reps = planner.groups(c, planner.Plan("hsdp", shard_group=8))
     assert shard.bandwidth_gbps == c.intra.bandwidth_gbps and shard.size == 8  # inside the node
     assert reps.size == 8 and reps.bandwidth_gbps == pytest.approx(200)  # one GPU's share of the NICs
-    eth = pp.cluster("h100", 64, "100gbe")
-    assert eth.nics_per_node == 1 and P.groups(eth, P.Plan("zero3"))[0].bandwidth_gbps == pytest.approx(100)
+    eth = planner.cluster("h100", 64, "100gbe")
+    assert eth.nics_per_node == 1 and planner.groups(eth, planner.Plan("zero3"))[0].bandwidth_gbps == pytest.approx(100)
 
 
 def test_zero3_collapses_when_the_link_is_the_limit():
     """Fixed global batch on a slow network: per-GPU traffic stays 3Ψ while compute halves."""
-    m = pp.model("175b")
-    tflops = [P.step_time(m, pp.cluster("a100", n, "100gbe"), P.Plan("zero3", micro_batch=mb, checkpointing="full"))
+    m = planner.model("175b")
+    tflops = [planner.step_time(m, planner.cluster("a100", n, "100gbe"), planner.Plan("zero3", micro_batch=mb, checkpointing="full"))
               .tflops_per_gpu for n, mb in ((384, 4), (768, 2), (1536, 1))]
     assert tflops[1] / tflops[0] == pytest.approx(0.5, abs=0.05) and tflops[2] / tflops[1] == pytest.approx(0.5, abs=0.05)
 
 
 def test_compute_bound_runs_at_the_fraction_of_peak():
-    t = P.step_time("70b", pp.cluster("h100", 64), P.Plan("zero3", micro_batch=1, checkpointing="full"))
-    assert t.tflops_per_gpu * 1e12 == pytest.approx(P.ACHIEVABLE_FRACTION * 989e12, rel=0.01)
-    model_flops, hardware = P.step_flops(pp.model("175b"), P.Plan(micro_batch=1, checkpointing="full"))
+    t = planner.step_time(planner.model("70b"), planner.cluster("h100", 64), planner.Plan("zero3", micro_batch=1, checkpointing="full"))
+    assert t.tflops_per_gpu * 1e12 == pytest.approx(planner.ACHIEVABLE_FRACTION * 989e12, rel=0.01)
+    model_flops, hardware = planner.step_flops(planner.model("175b"), planner.Plan(micro_batch=1, checkpointing="full"))
     b, s, h, L, V = 1, 2048, 12288, 96, 51200  # Megatron-LM eq. 3, with recompute: 96·B·s·l·h²(1 + s/6h + V/16lh)
     assert hardware == pytest.approx(96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-3)
     assert model_flops == pytest.approx(72 * b * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-3)
 
 
 def test_compare_names_first_fit_and_fastest():
-    out = P.compare("70b", pp.cluster("h100", 64), P.Plan(checkpointing="full"))
+    out = planner.compare(planner.model("70b"), planner.cluster("h100", 64), planner.Plan(checkpointing="full"))
     labels = [p.plan.label for p in out["predictions"]]
     assert labels[0].startswith("DDP") and "HSDP" in labels[3] and labels[-1].startswith("ZeRO-3")
     assert not out["predictions"][0].memory.fits and out["first_fit"].plan.stage == "zero3"

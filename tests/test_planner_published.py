@@ -12,11 +12,10 @@ from fractions import Fraction
 import pytest
 from test_memory_math import COLUMNS, TABLE1, printed_as  # ZeRO Table 1 as printed
 
+from shardlab import planner
 from shardlab.course import calculator as calc
 from shardlab.instruments import memory_math as mm
-from shardlab.instruments import planner as P
-from shardlab.instruments import planner_presets as pp
-from shardlab.instruments import planner_published as pub
+from shardlab.planner import published as pub
 
 GIB = 2**30
 GPT3 = pub.GPT3  # 96 layers, h 12288, 96 heads, vocab 51200, seq 2048: 174.6B
@@ -35,7 +34,7 @@ def report(case, published, predicted):
 def test_zero_table_1_every_cell(nd, column):
     psi, rule = COLUMNS[column]
     for stage, cell in zip(("zero1", "zero2", "zero3"), TABLE1[nd][column].split("/")):
-        got = P.model_state_bytes(Fraction(psi), nd, stage) / mm.GB
+        got = planner.plan_state_bytes(Fraction(psi), nd, planner.Plan(stage)) / mm.GB
         assert printed_as(got, cell.strip(), rule), f"{column} Nd={nd} {stage}"
 
 
@@ -58,14 +57,14 @@ def test_zero_table_2_largest_model(mp):
 
 # --- Korthikanti et al. 2022 (arXiv 2205.05198), eq. 1 and Table 2: GPT-3, s 2048, b 1.
 def test_korthikanti_gpt3_layer():
-    none = P.korthikanti_layer_bytes(GPT3, 1, "none")
+    none = planner.korthikanti_layer_bytes(GPT3, 1, "none")
     assert none == 114 * 2048 * 12288  # 34 + 5·96·2048/12288 = 34 + 80
     report("Korthikanti GPT-3 layer, GB", 2.87, none / 1e9)
     assert none / 1e9 == pytest.approx(2.87, abs=0.005)
-    removed = 1 - P.korthikanti_layer_bytes(GPT3, 1, "selective") / none
+    removed = 1 - planner.korthikanti_layer_bytes(GPT3, 1, "selective") / none
     report("selective recompute removes", 0.70, removed)
     assert removed == pytest.approx(0.70, abs=0.01)
-    assert P.korthikanti_layer_bytes(GPT3, 1, "full") == 2 * 2048 * 12288
+    assert planner.korthikanti_layer_bytes(GPT3, 1, "full") == 2 * 2048 * 12288
 
 
 # --- Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473), Table 2, "ZeRO-3 without model
@@ -120,7 +119,7 @@ def test_fsdp_175b_tflops_within_15_percent(batch, published):
 # 2, selective activation checkpointing, H100: 82.4 GiB a GPU on 8 GPUs, 67.0 GiB on 128. Only
 # the sharded states change with N, so the drop is 16Ψ(1/8 − 1/128).
 def test_torchtitan_memory_drop_8_to_128_gpus():
-    llama = pp.model("llama3-8b")
+    llama = planner.model("llama3-8b")
     drop = pub.torchtitan_drop_gib()
     assert drop * GIB == pytest.approx(16 * llama.params * (1 / 8 - 1 / 128))
     ratio = report("torchtitan Llama 3 8B memory drop 8 -> 128 GPUs, GiB", 82.4 - 67.0, drop)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.instruments import planner as P
-from shardlab.instruments import planner_presets as pp
 from shardlab.instruments.link import Link
+from shardlab.planner import Plan, Transformer, cluster, gpu, memory, model, network, step_time
+from shardlab.planner.hardware import GPUCluster
+from shardlab.planner.memory import korthikanti_layer_bytes
 
 GIB = 2**30
-GPT3 = pp.model("gpt3-175b")  # 96 layers, h 12288, 96 heads, vocab 51200, seq 2048: 174.6B
+GPT3 = model("gpt3-175b")  # 96 layers, h 12288, 96 heads, vocab 51200, seq 2048: 174.6B
 
 #: Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473), Table 2, "ZeRO-3 without model parallelism":
 #: 174.6B, global batch 1536, A100-80GB on Selene (8 × HDR 200 Gb/s a node); GPUs -> (micro-batch, TFLOPS/GPU),
@@ -27,7 +28,7 @@ MEGATRON = {384: (4, 144), 768: (2, 88), 1536: (1, 44)}
 #: network": more than 173 and 186 TFLOPS/GPU at batch 1 and 2, linear from 128 to 512 GPUs. The paper
 #: gives no layers or hidden size: we assume GPT-3's (96, 12288, 96 heads), and read 2 Tb/s as a node's
 #: total over 8 NICs.
-MINGPT = pp.Transformer("minGPT-175B", 96, 12288, 96, 50000, 2048, tied=False)
+MINGPT = Transformer("minGPT-175B", 96, 12288, 96, 50000, 2048, tied=False)
 FSDP = {1: 173, 2: 186}
 FSDP_GPUS = (128, 192, 256, 384, 512)
 
@@ -49,19 +50,19 @@ WHY = {
 
 def megatron_tflops(gpus: int) -> float:
     micro, _ = MEGATRON[gpus]
-    plan = P.Plan("zero3", micro_batch=micro, checkpointing="full")
-    return P.step_time(GPT3, pp.cluster("a100", gpus, "ib-hdr"), plan).tflops_per_gpu
+    plan = Plan("zero3", micro_batch=micro, checkpointing="full")
+    return step_time(GPT3, cluster("a100", gpus, "ib-hdr"), plan).tflops_per_gpu
 
 
 def fsdp_tflops(gpus: int, batch: int) -> float:
-    cluster = pp.Cluster(pp.gpu("a100"), gpus, 8, pp.network("nvlink3"), Link("RoCE, 2 Tb/s a node", 250.0, 5.0), 8)
-    return P.step_time(MINGPT, cluster, P.Plan("zero3", micro_batch=batch, checkpointing="full")).tflops_per_gpu
+    cluster = GPUCluster(gpu("a100"), gpus, 8, network("nvlink3"), Link("RoCE, 2 Tb/s a node", 250.0, 5.0), 8)
+    return step_time(MINGPT, cluster, Plan("zero3", micro_batch=batch, checkpointing="full")).tflops_per_gpu
 
 
 def torchtitan_drop_gib() -> float:
     """Predicted memory drop per GPU from 8 to 128 GPUs: only the sharded states change, 16Ψ(1/8 − 1/128)."""
-    llama, plan = pp.model("llama3-8b"), P.Plan("zero3", micro_batch=2, checkpointing="selective")
-    at = {n: P.memory(llama, pp.cluster("h100", n, "ib-ndr"), plan).total for n in TORCHTITAN}
+    llama, plan = model("llama3-8b"), Plan("zero3", micro_batch=2, checkpointing="selective")
+    at = {n: memory(llama, cluster("h100", n, "ib-ndr"), plan).total for n in TORCHTITAN}
     return (at[8] - at[128]) / GIB
 
 
@@ -86,9 +87,9 @@ class Row:
 def rows() -> list[Row]:
     """Every published case with a number, in the order notebook 08 shows them."""
     out = [Row("GPT-3 layer activations, GB (s 2048, b 1)", "Korthikanti et al. 2022", 2.87,
-               P.korthikanti_layer_bytes(GPT3, 1) / 1e9, 0.01),
+               korthikanti_layer_bytes(GPT3, 1) / 1e9, 0.01),
            Row("selective recompute removes", "Korthikanti et al. 2022", 0.70,
-               1 - P.korthikanti_layer_bytes(GPT3, 1, "selective") / P.korthikanti_layer_bytes(GPT3, 1), 0.02)]
+               1 - korthikanti_layer_bytes(GPT3, 1, "selective") / korthikanti_layer_bytes(GPT3, 1), 0.02)]
     for n, (micro, tflops) in MEGATRON.items():
         out.append(Row(f"ZeRO-3 175B, {n} A100, micro-batch {micro}: TFLOPS/GPU", "Megatron-LM 2021, Table 2",
                        tflops, megatron_tflops(n), 0.20, "" if n == 384 else WHY["megatron"]))

@@ -1,6 +1,6 @@
 """One training step replayed on two clocks: the GPU's compute and the link's transfers.
 
-The planner's step time (see :mod:`shardlab.instruments.planner`). The model is a list of
+The planner's step time. The model is a list of
 units, the root (embedding and output head) first and then the blocks, as the engine wraps
 them. Per micro-batch, unit by unit, as ``engine/zero3.py`` and ``engine/ddp.py`` run them:
 
@@ -24,8 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.instruments import planner_presets as pp
+from shardlab.instruments import memory_math
 from shardlab.instruments.link import link_delay
+from shardlab.planner.compute import ACHIEVABLE_FRACTION, recompute_flops, step_flops, unit_flops
+from shardlab.planner.hardware import GPUCluster
+from shardlab.planner.plan import Plan, sharding_degree
+from shardlab.planner.transformer import Transformer, need_transformer
 
 
 @dataclass
@@ -137,7 +141,7 @@ class GroupLink:
         return link_delay(kind, int(params), itemsize, self.size, self.bandwidth_gbps, self.latency_us)
 
 
-def group_link(cluster: pp.Cluster, size: int, per_node: int) -> GroupLink:
+def group_link(cluster: GPUCluster, size: int, per_node: int) -> GroupLink:
     """A ring of ``size`` GPUs, ``per_node`` of them on each node it touches.
 
     Inside one node it runs on NVLink. Across nodes, NCCL spreads its rings over every NIC of
@@ -149,3 +153,74 @@ def group_link(cluster: pp.Cluster, size: int, per_node: int) -> GroupLink:
         return GroupLink(max(size, 1), cluster.intra.bandwidth_gbps, cluster.intra.latency_us)
     share = cluster.node_nic_bytes_per_s * per_node / cluster.gpus_per_node * 8 / 1e9
     return GroupLink(size, min(cluster.intra.bandwidth_gbps, share), cluster.inter.latency_us)
+
+
+def groups(cluster: GPUCluster, plan: Plan) -> tuple[GroupLink, GroupLink | None]:
+    """The sharding group's link, and HSDP's replica group's link (None for the other plans)."""
+    n, g = cluster.gpus, sharding_degree(plan, cluster.gpus)
+    shard = group_link(cluster, g, min(g, cluster.gpus_per_node))
+    if plan.stage != "hsdp" or g == n:
+        return shard, None
+    reps_per_node = max(1, cluster.gpus_per_node // g) if g < cluster.gpus_per_node else 1
+    return shard, group_link(cluster, n // g, reps_per_node)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One step on one GPU: its seconds, split, and the rates the papers report."""
+
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    link_s: float
+    tokens: float  # per GPU per step
+    model_flops: float  # per GPU per step, no recompute (for MFU)
+    hardware_flops: float  # per GPU per step, recompute included (Megatron-LM's TFLOPS)
+    peak_flops: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_s / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_s / self.peak_flops
+
+
+def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
+              compute_s: float | None = None) -> Timing:
+    """Replay one step (:func:`replay`) and report it.
+
+    ``compute_s``: a measured compute time for one micro-batch's forward and backward (e.g. a
+    step on this machine with no slow link); the units keep their FLOP shares of it, instead
+    of FLOPs / (``fraction`` × peak).
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction of peak must be in (0, 1], got {fraction!r}")
+    m, r = need_transformer(model), memory_math.recipe(plan.recipe)
+    f, redo = unit_flops(m, plan.micro_batch), recompute_flops(m, plan)
+    rate = fraction * cluster.gpu.peak_flops
+    if compute_s is not None:
+        if not compute_s > 0:
+            raise ValueError(f"compute_s must be a positive number of seconds, got {compute_s!r}")
+        rate = 3 * (m.layers * f["block"] + f["root"]) / compute_s  # FLOP/s this machine reached
+    units = [Unit("root", m.root_params, f["root"] / rate, 2 * f["root"] / rate)]
+    units += [Unit(f"block{i}", m.block_params, f["block"] / rate, (2 * f["block"] + redo) / rate)
+              for i in range(m.layers)]
+    shard, replicas = groups(cluster, plan)
+    g = sharding_degree(plan, cluster.gpus)
+
+    def cost(kind, params):
+        return shard.seconds(kind, params, r.param_bytes)
+
+    def cross(params):  # HSDP: each GPU all-reduces its 1/g shard of the unit across replicas
+        return replicas.seconds("all_reduce", params / g, r.param_bytes)
+
+    run = replay(units, plan.stage, plan.grad_accum, plan.prefetch, cost, cross if replicas else None)
+    model_flops, hardware_flops = step_flops(m, plan)
+    return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s,
+                  plan.grad_accum * plan.micro_batch * m.seq, model_flops, hardware_flops, cluster.gpu.peak_flops)
