@@ -179,3 +179,15 @@ def test_widget_redraws_on_a_change():
     checkpointing = box.children[0].children[1].children[1]
     checkpointing.value = "full"
     assert "fits" in table.value and "DOES NOT FIT" not in table.value
+
+
+def test_one_table_of_networks_for_the_emulator_and_the_planner():
+    from shardlab.instruments.link import LINKS, emulate_link, find_link
+
+    assert find_link("ib-ndr") is find_link("InfiniBand") is LINKS["InfiniBand"]
+    with emulate_link("ib-ndr") as em:
+        assert em.link.bandwidth_gbps == 400.0
+    ten = planner.cluster("h100", 16, "10GbE")
+    assert ten.inter is LINKS["10GbE"] and ten.nics_per_node == 1  # Ethernet: one NIC a node
+    assert planner.cluster("v100", 8).intra.name == "NVLink 2 (V100)"
+    assert _cli("--network", "10GbE", "--gpus", "16").returncode == 0

@@ -18,10 +18,12 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from shardlab.instruments import stages
+
 GB = 10**9
 GIB = 2**30
-STAGES = ("ddp", "zero1", "zero2", "zero3")
-STAGE_LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+STAGES = stages.NAMES
+STAGE_LABELS = {s.name: s.label for s in stages.STAGES.values()}
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,7 @@ RECIPES = {
 MIXED_ADAM = RECIPES["mixed-adam"]
 
 # Elements each rank moves per step, in multiples of Ψ, and which collectives move them.
-COMM_COLLECTIVES = {
-    "ddp": (("all_reduce grads", 2),),
-    "zero1": (("reduce_scatter grads", 1), ("all_gather params", 1)),
-    "zero2": (("reduce_scatter grads", 1), ("all_gather params", 1)),
-    "zero3": (("all_gather fwd", 1), ("all_gather bwd", 1), ("reduce_scatter grads", 1)),
-}
+COMM_COLLECTIVES = {s.name: s.collectives for s in stages.STAGES.values()}
 
 
 def recipe(name_or_recipe) -> Recipe:
@@ -77,13 +74,7 @@ def recipe(name_or_recipe) -> Recipe:
 
 def stage_name(stage) -> str:
     """Normalise 0-3 or 'ddp'/'zero1'/'zero-2'/'ZeRO-3' to one of :data:`STAGES`."""
-    if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3:
-        return STAGES[stage]
-    key = str(stage).lower().replace("-", "").replace("_", "")
-    key = {"dp": "ddp", "0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3", "fsdp": "zero3"}.get(key, key)
-    if key not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; use 0-3 or one of {STAGES}")
-    return key
+    return stages.stage(stage).name
 
 
 def _check(params, world_size):
@@ -99,12 +90,8 @@ def model_state_breakdown(params, world_size, recipe_=MIXED_ADAM) -> dict[str, d
     r = recipe(recipe_)
     p, g, k = r.param_bytes * params, r.grad_bytes * params, r.optim_bytes * params
     n = world_size
-    return {
-        "ddp": {"params": p, "grads": g, "optimizer": k},
-        "zero1": {"params": p, "grads": g, "optimizer": k / n},
-        "zero2": {"params": p, "grads": g / n, "optimizer": k / n},
-        "zero3": {"params": p / n, "grads": g / n, "optimizer": k / n},
-    }
+    return {s.name: {"params": p / n if s.shards_params else p, "grads": g / n if s.shards_grads else g,
+                     "optimizer": k / n if s.shards_optimizer_state else k} for s in stages.STAGES.values()}
 
 
 def model_state_bytes(params, world_size, recipe_=MIXED_ADAM) -> dict[str, float]:
@@ -114,13 +101,10 @@ def model_state_bytes(params, world_size, recipe_=MIXED_ADAM) -> dict[str, float
 
 def formula_text(stage, recipe_=MIXED_ADAM) -> str:
     """The paper-style formula of a stage for a recipe, e.g. '4Ψ + 12Ψ/Nd'."""
-    r, s = recipe(recipe_), stage_name(stage)
-    replicated, sharded = {
-        "ddp": (r.bytes_per_param, 0),
-        "zero1": (r.param_bytes + r.grad_bytes, r.optim_bytes),
-        "zero2": (r.param_bytes, r.grad_bytes + r.optim_bytes),
-        "zero3": (0, r.bytes_per_param),
-    }[s]
+    r, s = recipe(recipe_), stages.stage(stage)
+    kinds = ((r.param_bytes, s.shards_params), (r.grad_bytes, s.shards_grads), (r.optim_bytes, s.shards_optimizer_state))
+    replicated = sum(b for b, cut in kinds if not cut)
+    sharded = sum(b for b, cut in kinds if cut)
     terms = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/Nd"] if sharded else [])
     return " + ".join(terms)
 

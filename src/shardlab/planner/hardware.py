@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.instruments.link import LINKS, Link
+from shardlab.instruments.link import Link, find_link
 
 GIB = 2**30
 
@@ -50,23 +50,14 @@ def gpu(name_or_gpu) -> GPU:
     return _lookup(GPUS, name_or_gpu, GPU, "GPU")
 
 
-#: Links inside a node (per GPU, per direction) and NICs between nodes (per NIC, per direction).
-#: Latencies are round numbers of the right order for NCCL on each fabric; not benchmarks.
-NETWORKS = {
-    "nvlink3": Link("NVLink 3 (A100)", 2400.0, 2.0, "300 GB/s per GPU per direction inside an A100 node"),
-    "nvlink4": LINKS["NVLink"],
-    "ib-hdr": Link("InfiniBand HDR", 200.0, 5.0, "one 200 Gbit/s HDR NIC (25 GB/s)"),
-    "ib-ndr": LINKS["InfiniBand"],
-    "100gbe": Link("100 Gb Ethernet", 100.0, 20.0, "one 100 Gbit/s Ethernet NIC, RoCE or TCP"),
-    "25gbe": Link("25 Gb Ethernet", 25.0, 30.0, "one 25 Gbit/s Ethernet NIC, TCP"),
-}
 #: How many NICs a node has unless told: one per GPU on InfiniBand (DGX / HGX), one per node on Ethernet.
-DEFAULT_NICS = {"ib-hdr": None, "ib-ndr": None, "100gbe": 1, "25gbe": 1}
-NVLINK_FOR = {"v100": "nvlink3", "a100": "nvlink3", "a100-40gb": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
+ONE_NIC_A_NODE = {find_link(name) for name in ("100gbe", "25gbe", "10gbe", "1gbe")}
+NVLINK_FOR = {"v100": "nvlink2", "a100": "nvlink3", "a100-40gb": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
 
 
 def network(name_or_link) -> Link:
-    return _lookup(NETWORKS, name_or_link, Link, "network")
+    """A network of :data:`shardlab.instruments.link.NETWORKS`, the one table the emulator reads too."""
+    return find_link(name_or_link)
 
 
 @dataclass(frozen=True)
@@ -106,12 +97,11 @@ class GPUCluster:
 
 def cluster(gpu_name="h100", gpus=8, network_name="ib-ndr", gpus_per_node=8, nics_per_node=None,
             intra=None) -> GPUCluster:
-    """A cluster from names: ``cluster("h100", 256, "ib-ndr")``; NICs default by network (see DEFAULT_NICS)."""
+    """A cluster from names: ``cluster("h100", 256, "ib-ndr")``; NICs default by network (see ONE_NIC_A_NODE)."""
     card = gpu(gpu_name)
     inter = network(network_name)
     if nics_per_node is None:
-        key = network_name if isinstance(network_name, str) else ""
-        nics_per_node = DEFAULT_NICS.get(key.lower()) or gpus_per_node
+        nics_per_node = 1 if inter in ONE_NIC_A_NODE else gpus_per_node
     per_node = min(gpus_per_node, gpus)
-    link = network(intra) if intra is not None else NETWORKS[NVLINK_FOR.get(card.name, "nvlink4")]
+    link = network(intra if intra is not None else NVLINK_FOR.get(card.name, "nvlink4"))
     return GPUCluster(card, gpus, per_node, link, inter, nics_per_node)

@@ -60,7 +60,7 @@ class Memory:
 def plan_state_bytes(params, gpus: int, plan: Plan) -> float:
     """Per-GPU model states of a plan (HSDP: ZeRO-3's over its shard group), by its recipe."""
     n = sharding_degree(plan, gpus)
-    return memory_math.model_state_bytes(params, n, plan.recipe)[plan.sharded_as]
+    return memory_math.model_state_bytes(params, n, plan.recipe)[plan.row.name]
 
 
 def memory(model: Transformer, cluster: GPUCluster, plan: Plan) -> Memory:
@@ -72,7 +72,7 @@ def memory(model: Transformer, cluster: GPUCluster, plan: Plan) -> Memory:
         acts += korthikanti_layer_bytes(m, plan.micro_batch, "selective")  # kernel keeps no s×s scores
     acts += 4 * m.seq * plan.micro_batch * m.vocab  # fp32 log-softmax the loss keeps (as memory_math counts)
     gathered = 0.0
-    if plan.sharded_as == "zero3":
+    if plan.row.shards_params:
         gathered = m.root_params * r.param_bytes + memory_math.gathered_unit_bytes(
             m.block_params, r, prefetch=plan.prefetch, include_grad=True)
     return Memory(states, acts, gathered, cluster.gpu.memory_bytes)

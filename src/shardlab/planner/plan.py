@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardlab.instruments import memory_math
+from shardlab.instruments import memory_math, stages
 
 PLANS = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 CHECKPOINTING = ("none", "selective", "full")
@@ -24,7 +24,7 @@ class Plan:
     recipe: str = "mixed-adam"
 
     def __post_init__(self):
-        stage = "hsdp" if str(self.stage).lower() == "hsdp" else memory_math.stage_name(self.stage)
+        stage = "hsdp" if str(self.stage).lower() == "hsdp" else stages.stage(self.stage).name
         object.__setattr__(self, "stage", stage)
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
@@ -36,13 +36,13 @@ class Plan:
 
     @property
     def label(self) -> str:
-        base = f"HSDP (shard {self.shard_group})" if self.stage == "hsdp" else memory_math.STAGE_LABELS[self.stage]
+        base = f"HSDP (shard {self.shard_group})" if self.stage == "hsdp" else self.row.label
         return base + ("" if self.checkpointing == "none" else f", {self.checkpointing} ckpt")
 
     @property
-    def sharded_as(self) -> str:
-        """The ZeRO stage whose model states this plan keeps: HSDP is ZeRO-3 inside its group."""
-        return "zero3" if self.stage == "hsdp" else self.stage
+    def row(self) -> stages.Stage:
+        """What this plan shards and sends (:data:`stages.STAGES`): HSDP is ZeRO-3 inside its group."""
+        return stages.STAGES["zero3" if self.stage == "hsdp" else self.stage]
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)

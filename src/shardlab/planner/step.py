@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.instruments import memory_math
+from shardlab.instruments import memory_math, stages
 from shardlab.instruments.link import link_delay
 from shardlab.planner.compute import ACHIEVABLE_FRACTION, recompute_flops, step_flops, unit_flops
 from shardlab.planner.hardware import GPUCluster
@@ -69,14 +69,15 @@ class _Link:
         return self.free_at
 
 
-def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost, cross=None) -> Replay:
-    """Replay a step. ``cost(kind, params)`` is a collective's seconds on the sharding group's link;
-    ``cross(params)`` an all-reduce's seconds across HSDP replicas (None otherwise)."""
+def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cross=None) -> Replay:
+    """Replay a step. ``stage``: a row of :data:`shardlab.instruments.stages.STAGES` or its name
+    (HSDP is ZeRO-3 with a ``cross``). ``cost(kind, params)`` is a collective's seconds on the
+    sharding group's link; ``cross(params)`` an all-reduce's seconds across HSDP replicas."""
+    row = stages.stage(stage)
     root, blocks = units[0], units[1:]
     link, net = _Link(), _Link()
     t = 0.0
     pending = []  # finish times of transfers the step must wait for
-    sharded_params = stage in ("zero3", "hsdp")
 
     def borrow(order, i, t, ready):
         """Gather unit ``i`` of ``order`` (unless prefetched), wait for it, prefetch the next."""
@@ -94,7 +95,7 @@ def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost,
         ready = {}
         order = [root, *blocks]
         for i, u in enumerate(order):
-            if sharded_params:
+            if row.shards_params:
                 t = borrow(order, i, t, ready)
             t += u.fwd_s
         # backward: the head's gradient first, then the blocks in reverse; the root's
@@ -103,27 +104,29 @@ def replay(units: list[Unit], stage: str, grad_accum: int, prefetch: bool, cost,
         ready = {}
         back = blocks[::-1]
         for i, u in enumerate(back):
-            if sharded_params:
+            if row.shards_params:
                 t = borrow(back, i, t, ready)
             t += u.bwd_s
-            pending += _reduce(u, stage, last, t, link, net, cost, cross)
-        pending += _reduce(root, stage, last, t, link, net, cost, cross)
+            pending += _reduce(u, row, last, t, link, net, cost, cross)
+        pending += _reduce(root, row, last, t, link, net, cost, cross)
     t = max([t, *pending])
-    if stage in ("zero1", "zero2"):  # the updated shards come back to every rank before the next step
+    if row.gathers_params_after_step:  # the updated shards come back to every rank before the next step
         for u in units:
             t = max(t, link.send(t, cost("all_gather", u.params)))
     compute = grad_accum * sum(u.fwd_s + u.bwd_s for u in units)
     return Replay(t, compute, link.busy + net.busy)
 
 
-def _reduce(u: Unit, stage: str, last: bool, t: float, link: _Link, net: _Link, cost, cross) -> list[float]:
-    """Issue a unit's gradient reduction after its backward; return the finish times to wait for."""
-    if stage == "ddp":
-        return [link.send(t, cost("all_reduce", u.params))] if last else []
-    if stage == "zero1":
-        return [link.send(t, cost("reduce_scatter", u.params))] if last else []
-    done = link.send(t, cost("reduce_scatter", u.params))  # ZeRO-2, ZeRO-3, HSDP: every micro-batch
-    if stage == "hsdp" and last and cross is not None:
+def _reduce(u: Unit, row: stages.Stage, last: bool, t: float, link: _Link, net: _Link, cost, cross) -> list[float]:
+    """Issue a unit's gradient reduction after its backward; return the finish times to wait for.
+
+    DDP all-reduces, the others reduce-scatter; ZeRO-2/3 every micro-batch (a sharded gradient
+    cannot add up whole), DDP and ZeRO-1 on the last one only."""
+    if not (last or row.reduces_every_micro_batch):
+        return []
+    kind = "reduce_scatter" if row.shards_optimizer_state else "all_reduce"
+    done = link.send(t, cost(kind, u.params))
+    if last and cross is not None:  # HSDP: the shard's all-reduce across replicas, once a step
         return [done, net.send(done, cross(u.params))]
     return [done]
 
@@ -220,7 +223,7 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     def cross(params):  # HSDP: each GPU all-reduces its 1/g shard of the unit across replicas
         return replicas.seconds("all_reduce", params / g, r.param_bytes)
 
-    run = replay(units, plan.stage, plan.grad_accum, plan.prefetch, cost, cross if replicas else None)
+    run = replay(units, plan.row, plan.grad_accum, plan.prefetch, cost, cross if replicas else None)
     model_flops, hardware_flops = step_flops(m, plan)
     return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s,
                   plan.grad_accum * plan.micro_batch * m.seq, model_flops, hardware_flops, cluster.gpu.peak_flops)
