@@ -162,7 +162,8 @@ def test_widget_falls_back_to_the_cli_text(monkeypatch, capsys):
     monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
     planner_widget.show(model="8b", gpus=64, network="100gbe", stage="hsdp", checkpointing="selective")
     out = capsys.readouterr().out
-    assert "HSDP (shard 8), selective ckpt" in out and "Fastest that fits: HSDP" in out
+    words, _ = planner_widget.report(model="8b", gpus=64, network="100gbe", stage="hsdp", checkpointing="selective")
+    assert "plan: HSDP (shard 8), selective ckpt" in words and words in out  # the CLI's text, whole
     words, fig = planner_widget.report("70b", 64, "h100", "ib-ndr", "zero3", "full")
     mem_ax, time_ax = fig.axes[:2]
     assert len(mem_ax.patches) == 3 * 5 and len(time_ax.patches) == 2 * 5  # 3 kinds, 2 parts, 5 plans
@@ -191,3 +192,105 @@ def test_one_table_of_networks_for_the_emulator_and_the_planner():
     assert ten.inter is LINKS["10GbE"] and ten.nics_per_node == 1  # Ethernet: one NIC a node
     assert planner.cluster("v100", 8).intra.name == "NVLink 2 (V100)"
     assert _cli("--network", "10GbE", "--gpus", "16").returncode == 0
+
+
+# -- issue 28: the default stack, any model, the knee and the anchors' bytes ----------------------
+def test_fused_attention_is_the_default_and_eager_one_flag_away():
+    m, c = planner.model("8b"), planner.cluster("h100", 8)
+    fused, eager = (planner.memory(m, c, planner.Plan("zero3", attention=a)) for a in ("fused", "eager"))
+    assert fused.fits and not eager.fits  # Llama 3 8B at 8,192 tokens trains on 8 H100s with FSDP
+    s, h = m.seq, m.hidden
+    assert eager.activations - fused.activations == pytest.approx(m.layers * 5 * m.heads * s * s)  # the s×s term
+    assert fused.activations == m.layers * 34 * s * h + 4 * s * m.vocab
+    assert "fits" in _cli("--model", "8b", "--gpus", "8").stdout.split("\n\n")[1]
+    assert "DOES NOT FIT" in _cli("--model", "8b", "--gpus", "8", "--attention", "eager").stdout
+
+
+@pytest.mark.parametrize("name, published", [
+    ("7b", 6.74e9), ("llama2-13b", 13.02e9), ("llama2-70b", 68.98e9),  # Llama 2 model cards: 6.7B, 13B, 70B
+    ("gpt3-760m", 760e6), ("gpt3-2.7b", 2.65e9), ("gpt3-6.7b", 6.66e9),  # Brown et al. 2020, Table 2.1
+])
+def test_more_presets_have_their_published_sizes(name, published):
+    assert planner.model(name).params == pytest.approx(published, rel=0.02)
+
+
+def test_a_shape_and_a_config_json_become_models(tmp_path):
+    llama = planner.model("8b")
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+           "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    from_disk = planner.model(str(path))
+    assert from_disk.params == llama.params and from_disk.seq == 8192  # capped: what it trains on, not reads
+    from shardlab.planner.transformer import from_shape
+
+    custom = from_shape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+    assert custom.params == llama.params
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
+                                "n_positions": 1024, "vocab_size": 50257}))
+    assert planner.model(str(gpt2)).params == pytest.approx(124.4e6, rel=0.001)  # GPT-2 small: 124M
+    out = _cli("--model", str(path), "--gpus", "8", "--json")
+    assert json.loads(out.stdout)["params"] == llama.params
+    shaped = _cli("--model", "custom", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+                  "--ffn", "14336", "--vocab", "128256", "--seq", "8192", "--json")
+    assert json.loads(shaped.stdout)["params"] == llama.params
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "custom", "--layers", "4", "--hidden", "64"), "needs --heads, --vocab, --seq"),
+    (("--model", "8b", "--layers", "-2"), "layers must be a positive integer"),
+    (("--model", "8b", "--heads", "33"), "must split evenly over 33 heads"),
+    (("--model", "8b", "--kv-heads", "5"), "kv_heads 5 must divide heads 32"),
+    (("--model", "missing/config.json"), "no config.json at"),
+])
+def test_bad_shapes_get_one_clear_line(args, message):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_config_json_without_a_field_is_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 10}))
+    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+        planner.model(str(path))
+
+
+def test_the_knee_is_m_c_over_w_and_the_same_for_ddp_and_zero3():
+    """anchors.md §3.7 (a), (b): with bf16 reductions the knee is m·C/W·(N−1)/N for DDP and ZeRO-3."""
+    from shardlab.planner.anchors import knee
+
+    node, big = planner.cluster("h100", 8), planner.cluster("a100", 256, "ib-hdr")
+    for c, bus in ((node, 450e9), (big, 200e9)):
+        n = c.gpus
+        want = 0.5 * c.gpu.peak_flops / bus * (n - 1) / n
+        for stage in ("ddp", "zero3"):
+            assert knee(8192, c, planner.Plan(stage, reduce_dtype="bf16")).tokens == pytest.approx(want)
+    fp32 = knee(8192, node, planner.Plan("zero3")).tokens  # fp32 reduce-scatter: (2 + 4) / 4 bytes per FLOP
+    assert fp32 == pytest.approx(1.5 * 0.5 * 989e12 / 450e9 * 7 / 8)
+    assert knee(8192, node, planner.Plan("zero3")).book == 2200 and knee(8192, big, planner.Plan()).book is None
+
+
+def test_the_bytes_per_parameter_of_the_anchors():
+    from shardlab.planner.anchors import bytes_per_param
+
+    rows = bytes_per_param(gpus=64)
+    assert [r.recomputed for r in rows[:4]] == [10, 16, 18, 20] and [r.published for r in rows[:4]] == ["10", "16", "18", "20"]
+    assert rows[4].recomputed == pytest.approx(2 + 18 / 64)
+    data = json.loads(_cli("--json").stdout)
+    assert [r["recomputed"] for r in data["bytes_per_param"]][:4] == [10, 16, 18, 20]
+    assert data["knee"]["book_published_tokens_per_h100"] == 2200 and data["kind"] == "formula"
+    assert {a["flag"] for a in data["assumptions"]} >= {"--attention eager|fused", "--reduce-dtype fp32|bf16"}
+
+
+def test_reduce_dtype_overlap_param_gather_and_accumulation():
+    m, c = planner.model("8b"), planner.cluster("h100", 64)
+    fp32, bf16 = (planner.step_time(m, c, planner.Plan("ddp", reduce_dtype=d)) for d in ("fp32", "bf16"))
+    alpha = (m.layers + 1) * 2 * 63 * c.inter.latency_us * 1e-6  # each unit's all-reduce: 2(N−1) hops
+    assert fp32.link_s - alpha == pytest.approx(2 * (bf16.link_s - alpha))  # twice the bytes, the same hops
+    for stage in ("zero1", "zero2"):
+        exposed, hidden = (planner.step_time(m, c, planner.Plan(stage, overlap_param_gather=o)) for o in (False, True))
+        assert hidden.step_s < exposed.step_s and hidden.link_s == pytest.approx(exposed.link_s)
+    z1, z2 = (planner.step_time(m, c, planner.Plan(s, grad_accum=4)) for s in ("zero1", "zero2"))
+    assert z2.link_s > 2 * z1.link_s  # ZeRO-2 reduces all 4 micro-batches, ZeRO-1 the last

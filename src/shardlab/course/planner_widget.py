@@ -81,7 +81,7 @@ def report(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3", ch
     comparison = planner.compare(m, cluster, plan)
     chosen = next(p for p in comparison["predictions"] if p.plan == plan) if plan.stage != "hsdp" else \
         planner.predict(m, cluster, plan)
-    return text(chosen, comparison), figure(comparison, plan)
+    return text(chosen, comparison, anchors=False), figure(comparison, plan)
 
 
 def widget(**start):

@@ -30,9 +30,13 @@ def unit_flops(model: Transformer, micro_batch: int) -> dict[str, float]:
 
 
 def recompute_flops(model: Transformer, plan: Plan) -> float:
-    """Forward FLOPs a block's backward redoes: none, attention (selective), or the block (full)."""
+    """Forward FLOPs a block's backward redoes: none, attention (selective), or the block (full).
+
+    With fused attention selective recompute has nothing to redo: the kernel keeps no scores
+    (its own recompute of them inside backward is part of the kernel, not counted here)."""
     f = unit_flops(model, plan.micro_batch)
-    return {"none": 0.0, "selective": f["attention"], "full": f["block"]}[plan.checkpointing]
+    selective = 0.0 if plan.attention == "fused" else f["attention"]
+    return {"none": 0.0, "selective": selective, "full": f["block"]}[plan.checkpointing]
 
 
 def step_flops(model: Transformer, plan: Plan) -> tuple[float, float]:

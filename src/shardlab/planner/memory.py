@@ -18,20 +18,25 @@ from shardlab.planner.plan import Plan, sharding_degree
 from shardlab.planner.transformer import Transformer, need_transformer
 
 
-def korthikanti_layer_bytes(model: Transformer, micro_batch: int, checkpointing: str = "none") -> float:
+def korthikanti_layer_bytes(model: Transformer, micro_batch: int, checkpointing: str = "none",
+                            attention: str = "eager") -> float:
     """Activation bytes one layer keeps for backward (Korthikanti et al. 2022, eq. 1 and §5).
 
     ``s·b·h·(34 + 5·a·s/h)`` with 16-bit activations and 1-byte dropout masks, no tensor
     parallelism: 34·s·b·h for the matmul and norm inputs, 5·a·s²·b for the attention scores,
     their softmax and dropout. Selective recompute drops the attention part (recomputed in
-    backward); full recompute keeps only the layer's input, 2·s·b·h. (The course's own count
-    for its GPT, ``memory_math.activation_bytes``, is 16 elements = 32 bytes of s·b·h without
-    dropout masks and with a fused attention that keeps no scores.)
+    backward); full recompute keeps only the layer's input, 2·s·b·h.
+
+    ``attention="fused"`` (SDPA, FlashAttention: what every current stack runs) never stores the
+    scores, so "none" keeps 34·s·b·h too and selective recompute has nothing left to drop. The
+    paper's own count, the default here, is ``"eager"``. (The course's own count for its GPT,
+    ``memory_math.activation_bytes``, is 16 elements = 32 bytes of s·b·h without dropout masks
+    and with a fused attention.)
     """
     s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
     if checkpointing == "full":
         return 2 * s * b * h
-    if checkpointing == "selective":
+    if checkpointing == "selective" or attention == "fused":
         return 34 * s * b * h
     return s * b * h * (34 + 5 * a * s / h)
 
@@ -67,9 +72,9 @@ def memory(model: Transformer, cluster: GPUCluster, plan: Plan) -> Memory:
     """Memory per GPU: model states + activations (+ logits) + gathered units at ZeRO-3 / HSDP."""
     m, r = need_transformer(model), memory_math.recipe(plan.recipe)
     states = plan_state_bytes(m.params, cluster.gpus, plan)
-    acts = m.layers * korthikanti_layer_bytes(m, plan.micro_batch, plan.checkpointing)
-    if plan.checkpointing == "full":  # backward recomputes one layer at a time; a fused attention
-        acts += korthikanti_layer_bytes(m, plan.micro_batch, "selective")  # kernel keeps no s×s scores
+    acts = m.layers * korthikanti_layer_bytes(m, plan.micro_batch, plan.checkpointing, plan.attention)
+    if plan.checkpointing == "full":  # backward recomputes one layer at a time, and keeps all of it
+        acts += korthikanti_layer_bytes(m, plan.micro_batch, "none", plan.attention)
     acts += 4 * m.seq * plan.micro_batch * m.vocab  # fp32 log-softmax the loss keeps (as memory_math counts)
     gathered = 0.0
     if plan.row.shards_params:

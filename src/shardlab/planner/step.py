@@ -69,10 +69,14 @@ class _Link:
         return self.free_at
 
 
-def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cross=None) -> Replay:
+def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cross=None, *,
+           overlap_param_gather: bool = False) -> Replay:
     """Replay a step. ``stage``: a row of :data:`shardlab.instruments.stages.STAGES` or its name
     (HSDP is ZeRO-3 with a ``cross``). ``cost(kind, params)`` is a collective's seconds on the
-    sharding group's link; ``cross(params)`` an all-reduce's seconds across HSDP replicas."""
+    sharding group's link; ``cross(params)`` an all-reduce's seconds across HSDP replicas.
+    ``overlap_param_gather``: ZeRO-1/2 gather the updated parameters unit by unit in the next
+    forward (Megatron-LM's ``--overlap-param-gather``) instead of all at once after the step;
+    in a steady state the next step's forward is this one's."""
     row = stages.stage(stage)
     root, blocks = units[0], units[1:]
     link, net = _Link(), _Link()
@@ -94,8 +98,9 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
         # forward
         ready = {}
         order = [root, *blocks]
+        late_gather = row.gathers_params_after_step and overlap_param_gather and micro == 0
         for i, u in enumerate(order):
-            if row.shards_params:
+            if row.shards_params or late_gather:
                 t = borrow(order, i, t, ready)
             t += u.fwd_s
         # backward: the head's gradient first, then the blocks in reverse; the root's
@@ -110,7 +115,7 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
             pending += _reduce(u, row, last, t, link, net, cost, cross)
         pending += _reduce(root, row, last, t, link, net, cost, cross)
     t = max([t, *pending])
-    if row.gathers_params_after_step:  # the updated shards come back to every rank before the next step
+    if row.gathers_params_after_step and not overlap_param_gather:  # every rank waits for the updated shards
         for u in units:
             t = max(t, link.send(t, cost("all_gather", u.params)))
     compute = grad_accum * sum(u.fwd_s + u.bwd_s for u in units)
@@ -217,13 +222,14 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     shard, replicas = groups(cluster, plan)
     g = sharding_degree(plan, cluster.gpus)
 
-    def cost(kind, params):
-        return shard.seconds(kind, params, r.param_bytes)
+    def cost(kind, params):  # gathers move weights (the recipe's dtype), reductions gradients (plan's)
+        return shard.seconds(kind, params, r.param_bytes if kind == "all_gather" else plan.reduce_bytes)
 
     def cross(params):  # HSDP: each GPU all-reduces its 1/g shard of the unit across replicas
-        return replicas.seconds("all_reduce", params / g, r.param_bytes)
+        return replicas.seconds("all_reduce", params / g, plan.reduce_bytes)
 
-    run = replay(units, plan.row, plan.grad_accum, plan.prefetch, cost, cross if replicas else None)
+    run = replay(units, plan.row, plan.grad_accum, plan.prefetch, cost, cross if replicas else None,
+                 overlap_param_gather=plan.overlap_param_gather)
     model_flops, hardware_flops = step_flops(m, plan)
     return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s,
                   plan.grad_accum * plan.micro_batch * m.seq, model_flops, hardware_flops, cluster.gpu.peak_flops)
