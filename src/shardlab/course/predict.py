@@ -39,17 +39,19 @@ def _show(value, unit: str) -> str:
     return f"{value}{' ' + unit if unit else ''}"
 
 
-def compare(guess, measured, *, what: str, unit: str = "", rel_tol: float = 0.05) -> bool | None:
+def compare(guess, measured, *, what: str, unit: str = "", rel_tol: float = 0.05,
+            source: str = "measured") -> bool | None:
     """Print the learner's guess beside the measurement; True/False, or None when no guess was typed.
 
     Numbers agree within ``rel_tol`` (5% by default), sequences element by element, text
-    ignoring case.
+    ignoring case. ``source`` names what the number is: "measured" here, or "published" for a
+    figure a paper printed (never call a published figure measured).
     """
     if guess is None:
-        print(f"{what}: measured {_show(measured, unit)}. (No prediction typed: set it in the cell "
+        print(f"{what}: {source} {_show(measured, unit)}. (No prediction typed: set it in the cell "
               f"above and run both cells again, to see how close you were.)")
         return None
     ok = _close(guess, measured, rel_tol)
     verdict = "✓ right" if ok else "✗ not quite: read on to see why"
-    print(f"{what}: you predicted {_show(guess, unit)}, measured {_show(measured, unit)}. {verdict}")
+    print(f"{what}: you predicted {_show(guess, unit)}, {source} {_show(measured, unit)}. {verdict}")
     return ok
