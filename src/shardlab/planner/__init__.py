@@ -54,10 +54,12 @@ class Prediction:
     notes: list = field(default_factory=list)
 
 
-def predict(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> Prediction:
-    """Memory per GPU and step time of one plan."""
+def predict(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
+            compute: str = "fraction") -> Prediction:
+    """Memory per GPU and step time of one plan (``compute``: "fraction" or "roofline", see :func:`step_time`)."""
     m = need_transformer(model_)
-    return Prediction(m, cluster_, plan, memory(m, cluster_, plan), step_time(m, cluster_, plan, fraction=fraction))
+    timing = step_time(m, cluster_, plan, fraction=fraction, compute=compute)
+    return Prediction(m, cluster_, plan, memory(m, cluster_, plan), timing)
 
 
 def candidates(cluster_: GPUCluster, plan: Plan) -> list[Plan]:
@@ -68,9 +70,10 @@ def candidates(cluster_: GPUCluster, plan: Plan) -> list[Plan]:
     return out
 
 
-def compare(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> dict:
+def compare(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
+            compute: str = "fraction") -> dict:
     """Every stage with the same batch and checkpointing: which first fits, which is fastest that fits."""
-    preds = [predict(model_, cluster_, p, fraction=fraction) for p in candidates(cluster_, plan)]
+    preds = [predict(model_, cluster_, p, fraction=fraction, compute=compute) for p in candidates(cluster_, plan)]
     fitting = [p for p in preds if p.memory.fits]
     return {"predictions": preds,
             "first_fit": fitting[0] if fitting else None,

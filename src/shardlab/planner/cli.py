@@ -51,6 +51,9 @@ def parse(argv) -> tuple[planner.Transformer, planner.GPUCluster, planner.Plan, 
     ap.add_argument("--recipe", default="mixed-adam")
     ap.add_argument("--fraction", type=float, default=planner.ACHIEVABLE_FRACTION,
                     help=f"fraction of peak the matmuls reach (default {planner.ACHIEVABLE_FRACTION})")
+    ap.add_argument("--compute", default="fraction", choices=("fraction", "roofline"),
+                    help="fraction: FLOPs at --fraction of peak; roofline: each kernel against peak and memory "
+                    "bandwidth (η fitted on torchtitan's A100 runs)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args(argv)
     dims = {name: getattr(args, name) for name in transformer.SHAPE}
@@ -79,18 +82,18 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     f = args.fraction
-    pred = planner.predict(model, cluster, plan, fraction=f)
-    comparison = planner.compare(model, cluster, plan, fraction=f)
+    pred = planner.predict(model, cluster, plan, fraction=f, compute=args.compute)
+    comparison = planner.compare(model, cluster, plan, fraction=f, compute=args.compute)
     if args.json:
         first, fastest = comparison["first_fit"], comparison["fastest"]
         print(json.dumps({"model": model.name, "params": model.params, "shape": model.shape(),
-                          "cluster": cluster.describe(), "fraction_of_peak": f, "kind": "formula",
+                          "cluster": cluster.describe(), "fraction_of_peak": f, "compute": args.compute, "kind": "formula",
                           **as_dict(pred, fraction=f),
                           "compare": [as_dict(p, fraction=f) for p in comparison["predictions"]],
                           "first_fit": first and first.plan.label, "fastest": fastest and fastest.plan.label,
                           **anchors_dict(cluster.gpus, plan, f)}, indent=1))
     else:
-        print(text(pred, comparison, fraction=f))
+        print(text(pred, comparison, fraction=f, compute=args.compute))
     return 0
 
 

@@ -19,20 +19,26 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class GPU:
-    """A card: dense bf16 peak in FLOP/s and memory in bytes."""
+    """A card: dense bf16 peak in FLOP/s, memory in bytes, and its memory (HBM) bandwidth in bytes/s.
+
+    Every number is the vendor's data sheet (NVIDIA V100, A100 and H100/H200 data sheets), except
+    where the note says otherwise."""
 
     name: str
     peak_flops: float
     memory_bytes: float
     note: str = ""
+    hbm_bytes_per_s: float = 2.0e12
 
 
 GPUS = {g.name: g for g in (
-    GPU("v100", 125e12, 32 * GIB, "V100 SXM2 32 GB: 125 TFLOPS fp16 tensor cores"),
-    GPU("a100", 312e12, 80 * GIB, "A100 SXM 80 GB: 312 TFLOPS bf16 dense"),
-    GPU("a100-40gb", 312e12, 40 * GIB, "A100 SXM 40 GB: 312 TFLOPS bf16 dense"),
-    GPU("h100", 989e12, 80 * GIB, "H100 SXM 80 GB: 989 TFLOPS bf16 dense"),
-    GPU("h200", 989e12, 141e9, "H200 SXM 141 GB: the H100's compute with more and faster memory"),
+    GPU("v100", 125e12, 32 * GIB, "V100 SXM2 32 GB: 125 TFLOPS fp16 tensor cores, 900 GB/s", 900e9),
+    GPU("a100", 312e12, 80 * GIB, "A100 SXM 80 GB: 312 TFLOPS bf16 dense, 2,039 GB/s", 2039e9),
+    GPU("a100-40gb", 312e12, 40 * GIB, "A100 SXM 40 GB: 312 TFLOPS bf16 dense, 1,555 GB/s", 1555e9),
+    GPU("h100", 989e12, 80 * GIB, "H100 SXM 80 GB: 989 TFLOPS bf16 dense, 3,350 GB/s", 3350e9),
+    GPU("h100-hbm2e", 989e12, 96e9, "H100 SXM with 96 GB HBM2e at 2.4 TB/s and a 500 W limit (torchtitan's "
+        "Grand Teton hosts); its real peak lies between SXM's 989 and NVL's 835 TFLOPS, not published", 2.4e12),
+    GPU("h200", 989e12, 141e9, "H200 SXM 141 GB: the H100's compute with more and faster memory, 4,800 GB/s", 4.8e12),
 )}
 
 
@@ -52,7 +58,8 @@ def gpu(name_or_gpu) -> GPU:
 
 #: How many NICs a node has unless told: one per GPU on InfiniBand (DGX / HGX), one per node on Ethernet.
 ONE_NIC_A_NODE = {find_link(name) for name in ("100gbe", "25gbe", "10gbe", "1gbe")}
-NVLINK_FOR = {"v100": "nvlink2", "a100": "nvlink3", "a100-40gb": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
+NVLINK_FOR = {"v100": "nvlink2", "a100": "nvlink3", "a100-40gb": "nvlink3", "h100": "nvlink4", "h100-hbm2e": "nvlink4",
+              "h200": "nvlink4"}
 
 
 def network(name_or_link) -> Link:

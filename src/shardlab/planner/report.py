@@ -36,7 +36,8 @@ def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION) -> list[tuple
     ]
 
 
-def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRACTION, anchors: bool = True) -> str:
+def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRACTION, anchors: bool = True,
+         compute: str = "fraction") -> str:
     """The plan's breakdown and the comparison, as plain text (a formula's values, not measurements)."""
     m, c, plan, mem, t = pred.model, pred.cluster, pred.plan, pred.memory, pred.timing
     lines = [f"{m.name} ({m.params / 1e9:.3g}B params, seq {m.seq}) on {c.describe()}",
@@ -49,7 +50,9 @@ def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRA
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     lines += [f"  {'total':<16}{mem.total / GIB:>9.2f} GiB of {c.gpu.memory_bytes / GIB:.0f} GiB: {verdict}",
               "", "step time per GPU (formula)",
-              f"  {'compute':<16}{t.compute_s:>9.3f} s  ({fraction:.0%} of {c.gpu.peak_flops / 1e12:.0f} TFLOPS peak)",
+              f"  {'compute':<16}{t.compute_s:>9.3f} s  (" + (f"{fraction:.0%} of {c.gpu.peak_flops / 1e12:.0f} TFLOPS peak)"
+              if compute == "fraction" else f"roofline: each kernel against {c.gpu.peak_flops / 1e12:.0f} TFLOPS "
+              f"and {c.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s)"),
               f"  {'exposed comm':<16}{t.exposed_comm_s:>9.3f} s  (of {t.link_s:.3f} s the links were busy)",
               f"  {'step':<16}{t.step_s:>9.3f} s",
               f"  {t.tokens_per_s:,.0f} tokens/s/GPU, {t.tflops_per_gpu:.0f} TFLOPS/GPU (recompute counted), "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from shardlab.instruments import memory_math, stages
 from shardlab.instruments.link import link_delay
+from shardlab.planner import roofline
 from shardlab.planner.compute import ACHIEVABLE_FRACTION, recompute_flops, step_flops, unit_flops
 from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
@@ -200,13 +201,17 @@ class Timing:
 
 
 def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
-              compute_s: float | None = None) -> Timing:
+              compute_s: float | None = None, compute: str = "fraction", matmul_efficiency: float | None = None) -> Timing:
     """Replay one step (:func:`replay`) and report it.
 
+    ``compute``: "fraction" prices a unit's FLOPs at ``fraction`` × peak; "roofline" prices each
+    kernel against the GPU's peak and memory bandwidth (:mod:`shardlab.planner.roofline`).
     ``compute_s``: a measured compute time for one micro-batch's forward and backward (e.g. a
-    step on this machine with no slow link); the units keep their FLOP shares of it, instead
-    of FLOPs / (``fraction`` × peak).
+    step on this machine with no slow link); the units keep their FLOP shares of it.
+    ``matmul_efficiency``: the roofline's η, if not its fitted :data:`roofline.MATMUL_EFFICIENCY`.
     """
+    if compute not in ("fraction", "roofline"):
+        raise ValueError(f"compute must be 'fraction' or 'roofline', got {compute!r}")
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction of peak must be in (0, 1], got {fraction!r}")
     m, r = need_transformer(model), memory_math.recipe(plan.recipe)
@@ -216,9 +221,13 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
         if not compute_s > 0:
             raise ValueError(f"compute_s must be a positive number of seconds, got {compute_s!r}")
         rate = 3 * (m.layers * f["block"] + f["root"]) / compute_s  # FLOP/s this machine reached
-    units = [Unit("root", m.root_params, f["root"] / rate, 2 * f["root"] / rate)]
-    units += [Unit(f"block{i}", m.block_params, f["block"] / rate, (2 * f["block"] + redo) / rate)
-              for i in range(m.layers)]
+    if compute == "roofline" and compute_s is None:
+        eta = matmul_efficiency
+        root_s, block_s = roofline.root_seconds(m, plan, cluster.gpu, eta), roofline.block_seconds(m, plan, cluster.gpu, eta)
+    else:
+        root_s, block_s = (f["root"] / rate, 2 * f["root"] / rate), (f["block"] / rate, (2 * f["block"] + redo) / rate)
+    units = [Unit("root", m.root_params, *root_s)]
+    units += [Unit(f"block{i}", m.block_params, *block_s) for i in range(m.layers)]
     shard, replicas = groups(cluster, plan)
     g = sharding_degree(plan, cluster.gpus)
 
