@@ -15,8 +15,10 @@ Read it in this order:
 2. ``hardware.py``: GPUs, networks and a :class:`GPUCluster`;
 3. ``plan.py``: how to train (:class:`Plan`);
 4. ``memory.py``: bytes per GPU;
-5. ``compute.py`` and ``step.py``: a step's FLOPs, and the step replayed on two clocks;
-6. ``report.py``, ``cli.py`` (``python -m shardlab plan``) and ``published.py`` (the runs it is checked on).
+5. ``compute.py``, ``roofline.py`` and ``step.py``: a step's FLOPs, their time (one fraction of
+   peak, or each kernel against the roofline), and the step replayed on two clocks;
+6. ``anchors.py``: the knee and the bytes per parameter other material quotes, recomputed;
+7. ``report.py``, ``cli.py`` (``python -m shardlab plan``) and ``published.py`` (the runs it is checked on).
 
 Every answer is a formula's value, not a measurement: notebook 08 sets it beside published runs.
 Left out, on purpose: the optimizer step, kernel launch gaps, stragglers, tensor / pipeline
