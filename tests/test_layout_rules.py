@@ -259,9 +259,18 @@ def import_cycles(package: str) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_inside_course():
-    cycles = import_cycles("shardlab.course")
-    assert not cycles, "import cycles in shardlab.course:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+@pytest.mark.parametrize("package", ["shardlab.course", "shardlab.planner"])
+def test_no_import_cycle_inside_course_or_planner(package):
+    """The planner's package imports its submodules, which never import the package's own names."""
+    cycles = import_cycles(package)
+    assert not cycles, f"import cycles in {package}:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_planner_sits_between_the_instruments_and_the_course():
+    """Its floor: it may use the instruments (formulas, links); the course and the bench may use it."""
+    assert allowed_by_readme("planner") == ["shardlab.instruments"]
+    assert "shardlab.planner" in allowed_by_readme("course") and "shardlab.planner" in allowed_by_readme("bench")
+    assert "shardlab.planner" not in allowed_by_readme("instruments")
 
 
 def test_the_cycle_finder_finds_a_cycle(monkeypatch):

@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import pytest
 
+from shardlab.instruments import memory_cli
 from shardlab.instruments import memory_math as mm
 from shardlab.models import GPT, GPTConfig
 
@@ -154,7 +155,7 @@ def test_bad_input_is_refused_clearly():
 
 
 def test_cli_prints_the_papers_numbers(capsys):
-    assert mm.main(["--params", "7.5e9", "--gpus", "64"]) == 0
+    assert memory_cli.main(["--params", "7.5e9", "--gpus", "64"]) == 0
     out = capsys.readouterr().out
     for number in ("120.000", "31.406", "16.641", "1.875"):
         assert number in out
@@ -162,7 +163,7 @@ def test_cli_prints_the_papers_numbers(capsys):
 
 def test_cli_shows_the_papers_volume_and_the_rings_bytes_apart(capsys):
     """2Ψ x 2 bytes = 28 GB is the paper's volume; a ring sends (N-1)/N of it: 24.5 GB at N=8."""
-    assert mm.main(["--params", "7e9", "--gpus", "8"]) == 0
+    assert memory_cli.main(["--params", "7e9", "--gpus", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("stage"))
     assert header.split() == ["stage", "formula", "GB", "GiB", "volume", "(paper)", "ring", "GB", "per", "rank"]
@@ -174,7 +175,7 @@ def test_cli_shows_the_papers_volume_and_the_rings_bytes_apart(capsys):
 
 
 def test_cli_json(capsys):
-    assert mm.main(["--params", "7.5B", "--gpus", "64", "--json"]) == 0
+    assert memory_cli.main(["--params", "7.5B", "--gpus", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ddp"] == 120 * 10**9 and data["zero3"] == 1_875_000_000
     assert data["zero1"] == 31_406_250_000 and data["zero2"] == 16_640_625_000
@@ -184,7 +185,7 @@ def test_cli_json(capsys):
 @pytest.mark.parametrize("argv, message", [(["--gpus", "0"], "positive integer"), (["--params", "-5"], "positive"),
                                            (["--recipe", "lion"], "unknown recipe"), (["--gpus", "two"], "--gpus")])
 def test_cli_errors(capsys, argv, message):
-    assert mm.main(argv) == 2
+    assert memory_cli.main(argv) == 2
     assert message in capsys.readouterr().err
 
 

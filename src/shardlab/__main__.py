@@ -10,13 +10,13 @@ import importlib
 import sys
 
 COMMANDS = {
-    "memory": ("shardlab.instruments.memory_math", "per-device model-state memory of DDP / ZeRO-1/2/3"),
+    "memory": ("shardlab.instruments.memory_cli", "per-device model-state memory of DDP / ZeRO-1/2/3"),
     "figures": ("shardlab.bench.figures", "regenerate every PNG in figures/"),
     "bench": ("shardlab.bench.run", "ShardLab's stages against PyTorch's DDP, ZeRO and fully_shard"),
     "train": ("shardlab.train", "train the demo GPT at any stage (run it under torchrun)"),
     "slow-link": ("shardlab.bench.slow_link", "step time of stages 0 and 3 on emulated slow links vs the ring model"),
     "wire": ("shardlab.bench.wire_bytes", "bytes on the wire per rank, measured, beside the ring formula"),
-    "plan": ("shardlab.instruments.planner_cli", "memory and step time of DDP / ZeRO / HSDP on 8 to 4096 GPUs"),
+    "plan": ("shardlab.planner.cli", "memory and step time of DDP / ZeRO / HSDP on 8 to 4096 GPUs"),
 }
 
 

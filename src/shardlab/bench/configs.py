@@ -163,8 +163,9 @@ def paper_volume(counts: Counter, steps: int = 1) -> float:
 def model_states_formula(config: Config, params: int, world_size: int) -> float:
     """The ZeRO paper's model-state bytes for this stage, all in fp32 (4 + 4 + 8 bytes/param)."""
     from shardlab.instruments.memory_math import RECIPES, model_state_bytes
+    from shardlab.instruments.stages import stage
 
-    return model_state_bytes(params, world_size, RECIPES["fp32-adam"])[("ddp", "zero1", "zero2", "zero3")[config.stage]]
+    return model_state_bytes(params, world_size, RECIPES["fp32-adam"])[stage(config.stage).name]
 
 
 def measure(config: Config, make_model, x, y, device: torch.device) -> dict:

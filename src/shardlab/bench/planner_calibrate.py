@@ -13,16 +13,17 @@ that the machine's load hits all of them alike:
 
 :func:`predict` then gives the planner the fitted link and the measured compute, and nothing
 else: the bytes, the order of the collectives and what overlaps come from the planner's own
-replay (:mod:`planner_step`). ``tests/test_planner_calibration.py`` and notebook 08 set the
+replay (:mod:`shardlab.planner.step`). ``tests/test_planner_calibration.py`` and notebook 08 set the
 prediction beside the measurement.
 """
 
 from __future__ import annotations
 
-from shardlab.instruments import planner as P
-from shardlab.instruments import planner_presets as pp
+from contextlib import nullcontext
+
 from shardlab.instruments.link import Link, fit_link
 from shardlab.instruments.measured import Formula
+from shardlab.planner import GPU, GPUCluster, Plan, Transformer, step_time
 
 SIZES = (2**16, 2**17, 2**18)  # float32 elements per rank: 0.25, 0.5, 1 MB
 STAGES = (0, 3)
@@ -57,7 +58,7 @@ def _rank_main(opts: dict) -> dict:
                 comm.all_gather(full, shard)
             return
         model, optimizer = runs[what]
-        with emulate_link(**link) if arg else _nothing():
+        with emulate_link(**link) if arg else nullcontext():
             models.lm_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -67,15 +68,6 @@ def _rank_main(opts: dict) -> dict:
     times, _ = timed_rounds(items, step, opts["warmup"], opts["steps"], comm.barrier)
     return dict(gathers={size * n * 4: times[("gather", size)] for size in SIZES},
                 steps={f"{s}/{int(slow)}": times[(s, slow)] for s, slow in items if s != "gather"})
-
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def measure(model: str = "small", bandwidth_gbps: float = 0.1, latency_us: float = 200.0, *, batch: int = 8,
@@ -107,12 +99,12 @@ def measure(model: str = "small", bandwidth_gbps: float = 0.1, latency_us: float
     return out
 
 
-def transformer(size: str) -> pp.Transformer:
+def transformer(size: str) -> Transformer:
     """The course GPT of :data:`shardlab.models.SIZES` as the planner's Transformer."""
     from shardlab import models
 
     cfg = models.SIZES[size]
-    return pp.Transformer(f"course {size}", cfg.n_layer, cfg.d, cfg.n_head, cfg.vocab, cfg.seq,
+    return Transformer(f"course {size}", cfg.n_layer, cfg.d, cfg.n_head, cfg.vocab, cfg.seq,
                           tied=cfg.tie_weights)
 
 
@@ -120,12 +112,12 @@ def predict(result: dict) -> dict:
     """The planner's step time for stages 0 and 3, from the fitted link and the measured compute."""
     link: Link = result["link"]
     n = result["world_size"]
-    here = pp.GPU("this CPU", 1.0, float("inf"), "peak unused: compute is measured")
-    cluster = pp.Cluster(here, n, n, link, link, 1)
+    here = GPU("this CPU", 1.0, float("inf"), "peak unused: compute is measured")
+    cluster = GPUCluster(here, n, n, link, link, 1)
     model = transformer(result["options"]["model"])
     out = {}
     for s in STAGES:
-        plan = P.Plan(s, micro_batch=result["options"]["batch"], recipe="fp32-adam")
+        plan = Plan(s, micro_batch=result["options"]["batch"], recipe="fp32-adam")
         compute = min(result[f"compute_{t}"] for t in STAGES)  # see the module docstring
-        out[s] = Formula(P.step_time(model, cluster, plan, compute_s=compute).step_s, formula="planner.step_time")
+        out[s] = Formula(step_time(model, cluster, plan, compute_s=compute).step_s, formula="planner.step_time")
     return out

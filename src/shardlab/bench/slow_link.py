@@ -50,7 +50,7 @@ from shardlab.bench.harness import (
 )
 from shardlab.bench.report import SHORT
 from shardlab.engine.comm import barrier
-from shardlab.instruments.link import LINKS, link_delay
+from shardlab.instruments.link import LINKS, find_link, link_delay
 from shardlab.instruments.traffic import ring_bytes, volume
 
 STAGES = (0, 3)
@@ -58,11 +58,12 @@ DEFAULT_LINKS = ("none", "NVLink", "InfiniBand", "10GbE", "1GbE")
 
 
 def parse_link(spec: str) -> dict:
-    """'none', a preset name from LINKS, or a custom 'GBPS:US' (e.g. '0.1:100')."""
-    if spec == "none" or spec in LINKS:
-        link = LINKS.get(spec)
-        return dict(name=spec, bandwidth_gbps=link.bandwidth_gbps if link else None,
-                    latency_us=link.latency_us if link else None)
+    """'none', a network name (:func:`find_link`: '10GbE', 'ib-ndr', ...), or a custom 'GBPS:US' (e.g. '0.1:100')."""
+    if spec == "none":
+        return dict(name=spec, bandwidth_gbps=None, latency_us=None)
+    if ":" not in spec:
+        link = find_link(spec)
+        return dict(name=spec, bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us)
     try:
         bw, lat = (float(x) for x in spec.split(":"))
     except ValueError:

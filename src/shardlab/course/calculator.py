@@ -108,7 +108,7 @@ def _describe(a: dict) -> str:
     return f"{a['layers']} layers × d {a['hidden']}, seq {a['seq_len']}, micro-batch {a['micro_batch']}, {ck} checkpointing"
 
 
-def activation_bytes(activations: dict, dtype_bytes: int) -> int:
+def activation_bytes_from_fields(activations: dict, dtype_bytes: int) -> int:
     """Activation bytes per GPU from the course's transformer formula (memory_math.activation_bytes)."""
     missing = [k for k in ACTIVATION_FIELDS if k not in activations]
     unknown = set(activations) - {*ACTIVATION_FIELDS, "checkpointing", "vocab"}
@@ -139,7 +139,7 @@ def memory_calculator(params, gpus: int, stage=None, recipe="mixed-adam", activa
     r = mm.recipe(recipe)
     parts = mm.model_state_breakdown(params, gpus, r)  # checks params and gpus
     per_param = mm.model_state_bytes(1, gpus, r)
-    act = 0 if activations is None else activation_bytes(activations, r.param_bytes)
+    act = 0 if activations is None else activation_bytes_from_fields(activations, r.param_bytes)
     line = gpu_memory_gb * mm.GB
     stages = {}
     for s in mm.STAGES:

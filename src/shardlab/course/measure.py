@@ -21,7 +21,7 @@ from shardlab import models
 from shardlab.engine import comm
 from shardlab.engine.api import parallelize
 from shardlab.engine.units import checkpoint_units
-from shardlab.instruments.link import LINKS, emulate_link, link_delay
+from shardlab.instruments.link import emulate_link, find_link, link_delay
 from shardlab.instruments.measured import Formula, Measured
 
 
@@ -62,12 +62,11 @@ def train_step(model, optimizer, x, y) -> float:
 
 
 def _link(link):
-    """None, a preset name of :data:`LINKS`, or ``{"bandwidth_gbps": .., "latency_us": ..}``."""
+    """None, a network name (:func:`~shardlab.instruments.link.find_link`), or ``{"bandwidth_gbps": .., "latency_us": ..}``."""
     if link is None:
         return None
     if isinstance(link, str):
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; choose one of {list(LINKS)} or pass a dict")
+        find_link(link)  # an unknown name is refused here, with the names it knows
         return {"preset": link}
     return dict(link)
 
@@ -96,7 +95,7 @@ def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overl
     """Seconds of each step of each run under each link, all interleaved in rotated rounds.
 
     ``runs`` maps a name to ``(model, optimizer)``, ``links`` a label to a link (None for the
-    loopback, a preset name of :data:`LINKS`, or ``{"bandwidth_gbps": .., "latency_us": ..}``).
+    loopback, a network name (:func:`~shardlab.instruments.link.find_link`), or ``{"bandwidth_gbps": .., "latency_us": ..}``).
     Every round steps each (link, run) pair once on the same batch, each step after a barrier,
     so a slow moment of the machine hits all pairs alike. Returns
     ``{label: {name: {"step_s": [...], "link_s": [...], "waited_s": [...]}}}``: ``link_s`` is
@@ -147,7 +146,7 @@ def predicted_link_s(records: list[dict], world_size: int, link) -> float:
     spec = _link(link)
     if spec is None:
         return 0.0
-    preset = LINKS.get(spec.get("preset"))
+    preset = find_link(spec["preset"]) if "preset" in spec else None
     bandwidth = spec.get("bandwidth_gbps", preset.bandwidth_gbps if preset else None)
     latency = spec.get("latency_us", preset.latency_us if preset else 0.0)
     return Formula(sum(link_delay(r["kind"], r["numel"], r["dtype"], world_size, bandwidth, latency)

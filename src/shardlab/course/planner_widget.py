@@ -4,14 +4,14 @@
 against the card and the step time split into compute and exposed communication. In a live
 notebook it is a widget (dropdowns, redrawn on every change); anywhere else (nbval, a script,
 ``SHARDLAB_NO_WIDGETS=1``) it prints the same numbers as ``python -m shardlab plan`` and draws
-the same figure. The numbers come from :mod:`shardlab.instruments.planner`.
+the same figure. The numbers come from :mod:`shardlab.planner`.
 """
 
 from __future__ import annotations
 
-from shardlab.instruments import planner as P
-from shardlab.instruments import planner_presets as pp
-from shardlab.instruments.planner_cli import text
+from shardlab import planner
+from shardlab.planner import hardware, transformer
+from shardlab.planner.report import text
 
 GIB = 2**30
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -21,12 +21,12 @@ DEFAULTS = dict(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3
 def plan_for(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3", checkpointing="full",
              micro_batch=1, grad_accum=1):
     """The planner's inputs from plain names: (model, cluster, plan)."""
-    cluster = pp.cluster(gpu, gpus, network)
-    return pp.model(model), cluster, P.Plan(stage, micro_batch=micro_batch, grad_accum=grad_accum,
-                                            checkpointing=checkpointing, shard_group=cluster.gpus_per_node)
+    cluster = planner.cluster(gpu, gpus, network)
+    return planner.model(model), cluster, planner.Plan(stage, micro_batch=micro_batch, grad_accum=grad_accum,
+                                                  checkpointing=checkpointing, shard_group=cluster.gpus_per_node)
 
 
-def figure(comparison: dict, chosen: P.Plan):
+def figure(comparison: dict, chosen: planner.Plan):
     """Two panels: memory per GPU by kind against the card; step time as compute + exposed comm."""
     from shardlab.instruments import plots
 
@@ -78,10 +78,10 @@ def report(model="70b", gpus=64, gpu="h100", network="ib-ndr", stage="zero3", ch
            micro_batch=1, grad_accum=1):
     """(text, figure) for one choice: the plain-text fallback and the widget both show these."""
     m, cluster, plan = plan_for(model, gpus, gpu, network, stage, checkpointing, micro_batch, grad_accum)
-    comparison = P.compare(m, cluster, plan)
+    comparison = planner.compare(m, cluster, plan)
     chosen = next(p for p in comparison["predictions"] if p.plan == plan) if plan.stage != "hsdp" else \
-        P.predict(m, cluster, plan)
-    return text(chosen, comparison), figure(comparison, plan)
+        planner.predict(m, cluster, plan)
+    return text(chosen, comparison, anchors=False), figure(comparison, plan)
 
 
 def widget(**start):
@@ -93,12 +93,12 @@ def widget(**start):
 
     wide = {"style": {"description_width": "8em"}, "layout": W.Layout(width="24em")}
     controls = {
-        "model": W.Dropdown(options=list(pp.ALIASES), description="model", **wide),
+        "model": W.Dropdown(options=list(transformer.ALIASES), description="model", **wide),
         "gpus": W.Dropdown(options=sorted({*GPU_COUNTS, start.get("gpus", 64)}), description="GPUs", **wide),
-        "gpu": W.Dropdown(options=list(pp.GPUS), description="GPU", **wide),
+        "gpu": W.Dropdown(options=list(hardware.GPUS), description="GPU", **wide),
         "network": W.Dropdown(options=["ib-ndr", "ib-hdr", "100gbe", "25gbe"], description="network", **wide),
-        "stage": W.Dropdown(options=list(P.PLANS), description="plan", **wide),
-        "checkpointing": W.Dropdown(options=list(P.CHECKPOINTING), description="checkpointing", **wide),
+        "stage": W.Dropdown(options=list(planner.PLANS), description="plan", **wide),
+        "checkpointing": W.Dropdown(options=list(planner.CHECKPOINTING), description="checkpointing", **wide),
         "micro_batch": W.Dropdown(options=[1, 2, 4, 8], description="micro-batch", **wide),
     }
     for name, value in (DEFAULTS | start).items():

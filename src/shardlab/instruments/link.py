@@ -48,13 +48,40 @@ class Link:
     note: str = ""
 
 
-#: Round numbers of the right order of magnitude, per GPU and direction, for teaching; not benchmarks.
-LINKS = {
-    "NVLink": Link("NVLink", 3600.0, 2.0, "NVLink 4 (H100 SXM): 450 GB/s per direction, ~2 µs per hop inside a node"),
-    "InfiniBand": Link("InfiniBand", 400.0, 5.0, "NDR InfiniBand, one 400 Gbit/s NIC per GPU, ~5 µs through NCCL"),
-    "10GbE": Link("10GbE", 10.0, 50.0, "10 Gigabit Ethernet with TCP: ~50 µs per message"),
-    "1GbE": Link("1GbE", 1.0, 100.0, "Gigabit Ethernet with TCP: ~100 µs per message"),
+#: Every network the course names, in one table: per GPU and direction inside a node (NVLink),
+#: per NIC and direction between nodes. Round numbers of the right order of magnitude from the
+#: vendors' data sheets, for teaching; not benchmarks. The planner (``shardlab.planner``) reads
+#: it too; how many NICs a node has is the planner's cluster's business, not the link's.
+NETWORKS = {
+    "nvlink2": Link("NVLink 2 (V100)", 1200.0, 2.0, "V100 SXM2: 6 NVLink 2 links, 150 GB/s per GPU per direction"),
+    "nvlink3": Link("NVLink 3 (A100)", 2400.0, 2.0, "A100 SXM: 12 NVLink 3 links, 300 GB/s per GPU per direction"),
+    "nvlink4": Link("NVLink", 3600.0, 2.0, "NVLink 4 (H100 SXM): 450 GB/s per direction, ~2 µs per hop inside a node"),
+    "ib-hdr": Link("InfiniBand HDR", 200.0, 5.0, "one 200 Gbit/s HDR NIC (25 GB/s)"),
+    "ib-ndr": Link("InfiniBand", 400.0, 5.0, "NDR InfiniBand, one 400 Gbit/s NIC per GPU, ~5 µs through NCCL"),
+    "100gbe": Link("100 Gb Ethernet", 100.0, 20.0, "one 100 Gbit/s Ethernet NIC, RoCE or TCP"),
+    "25gbe": Link("25 Gb Ethernet", 25.0, 30.0, "one 25 Gbit/s Ethernet NIC, TCP"),
+    "10gbe": Link("10GbE", 10.0, 50.0, "10 Gigabit Ethernet with TCP: ~50 µs per message"),
+    "1gbe": Link("1GbE", 1.0, 100.0, "Gigabit Ethernet with TCP: ~100 µs per message"),
 }
+_OTHER_NAMES = {"nvlink": "nvlink4", "infiniband": "ib-ndr", "ndr": "ib-ndr", "hdr": "ib-hdr"}
+
+
+def find_link(name_or_link) -> Link:
+    """A :class:`Link` by any of its names, in any case: 'ib-ndr', 'InfiniBand', '10GbE', 'nvlink3'.
+
+    A Link passes through. One lookup for the emulator and the planner, so every name works in both.
+    """
+    if isinstance(name_or_link, Link):
+        return name_or_link
+    key = str(name_or_link).lower().replace(" ", "")
+    key = _OTHER_NAMES.get(key, key)
+    if key not in NETWORKS:
+        raise ValueError(f"unknown link {name_or_link!r}; choose one of {sorted(NETWORKS)}")
+    return NETWORKS[key]
+
+
+#: The four links the course emulates on this machine (notebook 05, ``python -m shardlab slow-link``).
+LINKS = {name: find_link(name) for name in ("NVLink", "InfiniBand", "10GbE", "1GbE")}
 
 _ITEMSIZE = {
     "float64": 8, "double": 8, "fp64": 8, "int64": 8, "long": 8,
@@ -165,7 +192,7 @@ _active: LinkEmulator | None = None
 def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=True):
     """Make every engine collective inside the block cost what it would on a slower link.
 
-    ``emulate_link("10GbE")`` uses a preset from :data:`LINKS`; ``emulate_link(bandwidth_gbps=1,
+    ``emulate_link("10GbE")`` uses a network of :data:`NETWORKS` (any name :func:`find_link` knows); ``emulate_link(bandwidth_gbps=1,
     latency_us=100)`` a custom link; ``emulate_link(preset="1GbE", latency_us=0)`` a preset with
     an override. Bandwidth is in Gbit/s per direction. ``overlap=False`` adds every op's full
     link time, hiding none of it behind compute (see the module docstring). Yields a
@@ -178,9 +205,7 @@ def emulate_link(bandwidth_gbps=None, latency_us=None, preset=None, *, overlap=T
             raise ValueError("give the preset once: emulate_link('10GbE') or emulate_link(preset='10GbE')")
         preset, bandwidth_gbps = bandwidth_gbps, None
     if preset is not None:
-        if preset not in LINKS:
-            raise ValueError(f"unknown link preset {preset!r}; choose one of {list(LINKS)}")
-        base = LINKS[preset]
+        base = find_link(preset)
         bandwidth_gbps = base.bandwidth_gbps if bandwidth_gbps is None else bandwidth_gbps
         latency_us = base.latency_us if latency_us is None else latency_us
         name = preset

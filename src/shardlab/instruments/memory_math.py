@@ -18,12 +18,13 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from shardlab.instruments import stages
 from shardlab.instruments.measured import returns_formula
 
 GB = 10**9
 GIB = 2**30
-STAGES = ("ddp", "zero1", "zero2", "zero3")
-STAGE_LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+STAGES = stages.NAMES
+STAGE_LABELS = {s.name: s.label for s in stages.STAGES.values()}
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,7 @@ RECIPES = {
 MIXED_ADAM = RECIPES["mixed-adam"]
 
 # Elements each rank moves per step, in multiples of Ψ, and which collectives move them.
-COMM_COLLECTIVES = {
-    "ddp": (("all_reduce grads", 2),),
-    "zero1": (("reduce_scatter grads", 1), ("all_gather params", 1)),
-    "zero2": (("reduce_scatter grads", 1), ("all_gather params", 1)),
-    "zero3": (("all_gather fwd", 1), ("all_gather bwd", 1), ("reduce_scatter grads", 1)),
-}
+COMM_COLLECTIVES = {s.name: s.collectives for s in stages.STAGES.values()}
 
 
 def recipe(name_or_recipe) -> Recipe:
@@ -79,13 +75,7 @@ def recipe(name_or_recipe) -> Recipe:
 
 def stage_name(stage) -> str:
     """Normalise 0-3 or 'ddp'/'zero1'/'zero-2'/'ZeRO-3' to one of :data:`STAGES`."""
-    if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3:
-        return STAGES[stage]
-    key = str(stage).lower().replace("-", "").replace("_", "")
-    key = {"dp": "ddp", "0": "ddp", "1": "zero1", "2": "zero2", "3": "zero3", "fsdp": "zero3"}.get(key, key)
-    if key not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; use 0-3 or one of {STAGES}")
-    return key
+    return stages.stage(stage).name
 
 
 def _check(params, world_size):
@@ -102,12 +92,8 @@ def model_state_breakdown(params, world_size, recipe_=MIXED_ADAM) -> dict[str, d
     r = recipe(recipe_)
     p, g, k = r.param_bytes * params, r.grad_bytes * params, r.optim_bytes * params
     n = world_size
-    return {
-        "ddp": {"params": p, "grads": g, "optimizer": k},
-        "zero1": {"params": p, "grads": g, "optimizer": k / n},
-        "zero2": {"params": p, "grads": g / n, "optimizer": k / n},
-        "zero3": {"params": p / n, "grads": g / n, "optimizer": k / n},
-    }
+    return {s.name: {"params": p / n if s.shards_params else p, "grads": g / n if s.shards_grads else g,
+                     "optimizer": k / n if s.shards_optimizer_state else k} for s in stages.STAGES.values()}
 
 
 @returns_formula("memory_math.model_state_bytes (ZeRO paper, §3)")
@@ -118,13 +104,10 @@ def model_state_bytes(params, world_size, recipe_=MIXED_ADAM) -> dict[str, float
 
 def formula_text(stage, recipe_=MIXED_ADAM) -> str:
     """The paper-style formula of a stage for a recipe, e.g. '4Ψ + 12Ψ/Nd'."""
-    r, s = recipe(recipe_), stage_name(stage)
-    replicated, sharded = {
-        "ddp": (r.bytes_per_param, 0),
-        "zero1": (r.param_bytes + r.grad_bytes, r.optim_bytes),
-        "zero2": (r.param_bytes, r.grad_bytes + r.optim_bytes),
-        "zero3": (0, r.bytes_per_param),
-    }[s]
+    r, s = recipe(recipe_), stages.stage(stage)
+    kinds = ((r.param_bytes, s.shards_params), (r.grad_bytes, s.shards_grads), (r.optim_bytes, s.shards_optimizer_state))
+    replicated = sum(b for b, cut in kinds if not cut)
+    sharded = sum(b for b, cut in kinds if cut)
     terms = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/Nd"] if sharded else [])
     return " + ".join(terms)
 
@@ -238,76 +221,3 @@ def parse_count(text) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"parameter count must be positive and finite, got {text!r}")
     return int(value) if value == int(value) else value
-
-
-def _human(n) -> str:
-    for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale:
-            return f"{n / scale:g}{suffix}"
-    return f"{n:g}"
-
-
-def _exact(x):
-    return int(x) if float(x).is_integer() else float(x)
-
-
-def main(argv=None) -> int:
-    """``python -m shardlab memory``: the per-stage table, or ``--json`` for programs."""
-    import argparse
-    import json
-    import sys
-
-    ap = argparse.ArgumentParser(
-        prog="python -m shardlab memory",
-        description="Per-device model-state memory of DDP and ZeRO-1/2/3 (ZeRO paper formulas). "
-        "GB = 10^9 bytes (the paper's unit), GiB = 2^30 bytes.",
-    )
-    ap.add_argument("--params", default="7.5e9", help="parameter count Ψ: 7.5e9, 7.5B, 13M, 1T (default 7.5e9)")
-    ap.add_argument("--gpus", default="64", help="data-parallel devices Nd (default 64)")
-    ap.add_argument("--recipe", default="mixed-adam", help=f"one of {', '.join(RECIPES)} (default mixed-adam)")
-    ap.add_argument("--largest-layer", default=None, help="largest unit's params: adds stage-3 gather room and DeepSpeed's estimate")
-    ap.add_argument("--json", action="store_true", help="print bytes per device as JSON")
-    try:
-        args = ap.parse_args(argv)
-        params = parse_count(args.params)
-        try:
-            gpus = int(args.gpus)
-        except ValueError:
-            raise ValueError(f"--gpus must be a positive integer, got {args.gpus!r}") from None
-        r = recipe(args.recipe)
-        totals = model_state_bytes(params, gpus, r)
-        largest = parse_count(args.largest_layer) if args.largest_layer is not None else None
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    comm = {s: _exact(ring_bytes_per_rank(s, params, gpus, r.param_bytes)) for s in STAGES}
-    if args.json:
-        out = {s: _exact(v) for s, v in totals.items()}
-        out.update(
-            unit="bytes per device", params=_exact(params), gpus=gpus, recipe=r.name,
-            bytes_per_param=r.bytes_per_param, formula={s: formula_text(s, r) for s in STAGES},
-            comm_elements={s: _exact(comm_elements(s, params)) for s in STAGES}, ring_bytes_per_rank=comm,
-        )
-        if largest is not None:
-            out["zero3_gathered_bytes"] = _exact(gathered_unit_bytes(largest, r))
-            out["deepspeed_zero3_bytes"] = _exact(deepspeed_estimate(params, gpus, 3, largest))
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"Model states per device: Ψ = {_human(params)} params, Nd = {gpus} devices, recipe {r.name} "
-          f"({r.param_bytes} + {r.grad_bytes} + {r.optim_bytes} = {r.bytes_per_param} bytes/param)")
-    print(f"{'':<23} {'model states per device':>23}   {'communication per step':^37}".rstrip())
-    print(f"{'stage':<7} {'formula':<15} {'GB':>11} {'GiB':>11}   {'volume (paper)':>19} {'ring GB per rank':>17}")
-    for s in STAGES:
-        k = sum(n for _, n in COMM_COLLECTIVES[s])
-        volume = f"{k}Ψ = {comm_elements(s, params) * r.param_bytes / GB:.3f} GB"
-        print(f"{STAGE_LABELS[s]:<7} {formula_text(s, r):<15} {totals[s] / GB:>11.3f} {totals[s] / GIB:>11.3f}"
-              f"   {volume:>19} {comm[s] / GB:>17.3f}")
-    if largest is not None:
-        extra = gathered_unit_bytes(largest, r)
-        ds = deepspeed_estimate(params, gpus, 3, largest)
-        print(f"ZeRO-3 + two gathered units of {_human(largest)} params (prefetch): {(totals['zero3'] + extra) / GB:.3f} GB")
-        print(f"DeepSpeed's ZeRO-3 estimate (4L + 18Ψ/Nd, prints GiB as 'GB'): {ds / GIB:.2f} GiB")
-    print(f"Volume: the elements the paper counts, x {r.param_bytes} bytes. Ring GB per rank: what each rank "
-          f"sends in ring collectives, (N-1)/N x volume = {gpus - 1}/{gpus} x volume.")
-    print("Model states only: activations, gathered units and buffers come on top.")
-    return 0

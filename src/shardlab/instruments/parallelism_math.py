@@ -66,7 +66,7 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Strategy:
     """One way to train ``shape`` on ``gpus`` GPUs: bytes per GPU and traffic per GPU per step."""
 
     name: str
@@ -93,20 +93,20 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def zero3(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Plan:
+def zero3(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Strategy:
     """Fully sharded data parallel: the reference the others are compared with."""
     n = _degree(gpus)
     if shape.batch % n:
         raise ValueError(f"batch {shape.batch} does not split over {n} data-parallel GPUs")
     r = mm.recipe(recipe)
-    return Plan("ZeRO-3 / FSDP", n, mm.model_state_bytes(shape.params, n, r)["zero3"],
+    return Strategy("ZeRO-3 / FSDP", n, mm.model_state_bytes(shape.params, n, r)["zero3"],
                 16 * shape.layers * (shape.bsh // n) * act_bytes,
                 mm.ring_bytes_per_rank("zero3", shape.params, n, comm_bytes),
                 f"{r.bytes_per_param}Ψ/N + L·16·(B/N)·s·h", "3Ψ·(N−1)/N")
 
 
 def hsdp(shape: Shape, gpus: int, shard_size: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2,
-         comm_bytes: int = 2) -> Plan:
+         comm_bytes: int = 2) -> Strategy:
     """Hybrid sharding: ZeRO-3 inside groups of ``shard_size`` GPUs (a node), replicas across.
 
     Gathers and reduce-scatters stay inside a group (fast links); across groups only each
@@ -120,13 +120,13 @@ def hsdp(shape: Shape, gpus: int, shard_size: int, recipe=mm.MIXED_ADAM, act_byt
     ref = zero3(shape, n, recipe, act_bytes, comm_bytes)
     inside = 3 * shape.params * _ring(g) * comm_bytes
     across = 2 * shape.params / g * _ring(reps) * comm_bytes
-    return Plan(f"HSDP ({g} shard × {reps} replicas)", n, mm.model_state_bytes(shape.params, g, recipe)["zero3"],
+    return Strategy(f"HSDP ({g} shard × {reps} replicas)", n, mm.model_state_bytes(shape.params, g, recipe)["zero3"],
                 ref.activations, inside + across, "16Ψ/G + L·16·(B/N)·s·h",
                 "3Ψ(G−1)/G inside a group + 2(Ψ/G)(R−1)/R across groups",
                 {"sent_inside_group": inside, "sent_across_groups": across, "replicas": reps})
 
 
-def cpu_offload(shape: Shape, gpus: int, act_bytes: int = 2, comm_bytes: int = 2) -> Plan:
+def cpu_offload(shape: Shape, gpus: int, act_bytes: int = 2, comm_bytes: int = 2) -> Strategy:
     """ZeRO-Offload (with ZeRO-2): optimizer state and fp32 master on the CPU, which also steps.
 
     The GPU keeps the 2-byte weights (whole, as in ZeRO-2) and streams each GPU's 2-byte
@@ -135,13 +135,13 @@ def cpu_offload(shape: Shape, gpus: int, act_bytes: int = 2, comm_bytes: int = 2
     """
     n = _degree(gpus)
     ref = zero3(shape, n, act_bytes=act_bytes, comm_bytes=comm_bytes)
-    return Plan("ZeRO-2 + CPU offload", n, 2 * shape.params, ref.activations,
+    return Strategy("ZeRO-2 + CPU offload", n, 2 * shape.params, ref.activations,
                 mm.ring_bytes_per_rank("zero2", shape.params, n, comm_bytes),
                 "2Ψ on GPU (14Ψ/N on CPU) + L·16·(B/N)·s·h", "2Ψ·(N−1)/N; 4Ψ/N bytes over PCIe",
                 {"cpu_bytes": 14 * shape.params / n, "pcie_bytes": 4 * shape.params / n})
 
 
-def tensor_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Plan:
+def tensor_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Strategy:
     """Megatron tensor parallelism: every weight matrix split N ways, every GPU sees the whole batch.
 
     Of the 16·b·s·h elements a block saves, the inputs of the two LayerNorms, of ``qkv`` and
@@ -155,13 +155,13 @@ def tensor_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: in
     r = mm.recipe(recipe)
     acts = shape.layers * (4 * shape.bsh + 12 * shape.bsh / n) * act_bytes
     volume = 8 * shape.layers * shape.bsh
-    return Plan("tensor parallel", n, r.bytes_per_param * shape.params / n, acts,
+    return Strategy("tensor parallel", n, r.bytes_per_param * shape.params / n, acts,
                 volume * _ring(n) * comm_bytes, f"{r.bytes_per_param}Ψ/N + L·(4 + 12/N)·B·s·h",
                 "8·L·B·s·h·(N−1)/N (4 all-reduces of B·s·h per layer)")
 
 
 def pipeline_parallel(shape: Shape, gpus: int, micro_batches: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2,
-                      comm_bytes: int = 2) -> Plan:
+                      comm_bytes: int = 2) -> Strategy:
     """1F1B pipeline: L/N consecutive layers per GPU, the batch cut into ``micro_batches`` m.
 
     The first stage holds the activations of min(m, N) micro-batches of its L/N layers,
@@ -176,12 +176,12 @@ def pipeline_parallel(shape: Shape, gpus: int, micro_batches: int, recipe=mm.MIX
         raise ValueError(f"batch {shape.batch} does not split into {m} micro-batches")
     r = mm.recipe(recipe)
     acts = min(m, n) * (shape.layers // n) * 16 * (shape.bsh // m) * act_bytes
-    return Plan(f"pipeline parallel (1F1B, m={m})", n, r.bytes_per_param * shape.params / n, acts,
+    return Strategy(f"pipeline parallel (1F1B, m={m})", n, r.bytes_per_param * shape.params / n, acts,
                 2 * shape.bsh * comm_bytes, f"{r.bytes_per_param}Ψ/N + L·16·(B/m)·s·h (first stage, m ≥ N)",
                 "2·B·s·h point-to-point", {"bubble": (n - 1) / (m + n - 1)})
 
 
-def context_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Plan:
+def context_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: int = 2, comm_bytes: int = 2) -> Strategy:
     """Context parallelism with ring attention: each GPU takes s/N tokens of every sequence.
 
     Every activation is per token, so it is split N ways. The weights are whole on every GPU
@@ -194,20 +194,20 @@ def context_parallel(shape: Shape, gpus: int, recipe=mm.MIXED_ADAM, act_bytes: i
         raise ValueError(f"sequence length {shape.seq} does not split over {n} context-parallel GPUs")
     r = mm.recipe(recipe)
     kv = 6 * shape.layers * shape.bsh * _ring(n)
-    return Plan("context parallel", n, r.bytes_per_param * shape.params, 16 * shape.layers * shape.bsh / n * act_bytes,
+    return Strategy("context parallel", n, r.bytes_per_param * shape.params, 16 * shape.layers * shape.bsh / n * act_bytes,
                 kv * comm_bytes + mm.ring_bytes_per_rank("ddp", shape.params, n, comm_bytes),
                 f"{r.bytes_per_param}Ψ + L·16·B·(s/N)·h", "6·L·B·s·h·(N−1)/N (K, V) + 2Ψ·(N−1)/N",
                 {"sent_kv": kv * comm_bytes})
 
 
-def compare(shape: Shape, gpus: int, *, shard_size: int | None = None, micro_batches: int | None = None) -> list[Plan]:
+def compare(shape: Shape, gpus: int, *, shard_size: int | None = None, micro_batches: int | None = None) -> list[Strategy]:
     """Every plan on ``gpus`` GPUs, ZeRO-3 first: what notebook 07 tabulates."""
     n = _degree(gpus)
     return [zero3(shape, n), hsdp(shape, n, shard_size or max(1, n // 2)), cpu_offload(shape, n),
             tensor_parallel(shape, n), pipeline_parallel(shape, n, micro_batches or 4 * n), context_parallel(shape, n)]
 
 
-def table(plans: list[Plan], unit: str = "GB") -> str:
+def table(plans: list[Strategy], unit: str = "GB") -> str:
     """A text table: memory (states + activations) and bytes sent per GPU, beside ZeRO-3's."""
     scale = {"GB": mm.GB, "GiB": mm.GIB, "MB": 1e6}[unit]
     ref = plans[0]
