@@ -3,6 +3,10 @@
 #   make test   create .venv if needed, then run the test suite and every notebook and lab
 #               (solutions and student versions) under nbval
 # Both are idempotent: the environment is rebuilt only when pyproject.toml changes.
+# For clusters and workshops (workshop/README.md):
+#   make install                 set up .venv and nothing else (no server, no tests)
+#   make install WHEELHOUSE=DIR  the same from a folder of wheels, for nodes without internet
+#   make wheelhouse WHEELHOUSE=DIR   fill that folder, on a machine with internet (same OS and Python)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,8 +17,14 @@ BIN    := $(VENV)/bin
 #   make test TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
 TORCH       ?= torch>=2.9
 TORCH_INDEX ?=
+# A folder of wheels: pip reads it through its own variables and then never asks the network.
+WHEELHOUSE  ?=
+ifneq ($(strip $(WHEELHOUSE)),)
+export PIP_NO_INDEX    := 1
+export PIP_FIND_LINKS  := $(abspath $(WHEELHOUSE))
+endif
 
-.PHONY: lab test lint figures site clean
+.PHONY: install wheelhouse lab test lint figures site clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +35,21 @@ $(VENV)/.installed: pyproject.toml scripts/install_torch.py $(shell find jupyter
 	$(BIN)/pip install -e ".[dev]"
 	cp -R jupyter/etc jupyter/share $(VENV)/
 	touch $@
+
+# install_torch.py runs again even when .venv is up to date: a CPU build made on a login node
+# is replaced here when this node has a GPU (make install inside a GPU job); --check then says
+# whether this torch fits this node.
+install: $(VENV)/.installed
+	@$(BIN)/python scripts/install_torch.py --spec "$(TORCH)" --index "$(TORCH_INDEX)"
+	@$(BIN)/python scripts/install_torch.py --check --home "$(CURDIR)"
+
+# Run where the wheels are wanted (Linux, the Python the nodes have; a GPU node, or TORCH_INDEX
+# naming a CUDA index, for the CUDA build). pip download fetches the course's dependencies and
+# the build backend (setuptools), which an install without an index needs too.
+wheelhouse: | $(BIN)/python
+	@test -n "$(WHEELHOUSE)" || { echo "usage: make wheelhouse WHEELHOUSE=DIR"; exit 2; }
+	env -u PIP_NO_INDEX -u PIP_FIND_LINKS $(BIN)/pip download -d "$(WHEELHOUSE)" $(TORCH_INDEX) "$(TORCH)"
+	env -u PIP_NO_INDEX -u PIP_FIND_LINKS $(BIN)/pip download -d "$(WHEELHOUSE)" ".[dev]" "setuptools>=68" wheel
 
 # Jupyter refuses to run as root (containers, cloud shells) unless told it may.
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)

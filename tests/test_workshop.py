@@ -1,6 +1,7 @@
 """The workshop's SLURM scripts, dry-run here: fake ``srun``, ``scontrol`` and ``jupyter`` record
 what the scripts would start, so a broken flag or a wrong tunnel command fails here, not on the
-day. (The real run on a cluster is step 1 of workshop/README.md.)"""
+day, in a second and without SLURM. tests/test_slurm.py submits the same scripts to a real SLURM
+(under CI); the run on a GPU cluster is step 1 of workshop/README.md."""
 
 import os
 import subprocess
@@ -13,14 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKSHOP = ROOT / "workshop"
 
 
+# The fake jupyter records what a real one records of where it listens (jpserver-<pid>.json in
+# its runtime folder, the port it bound), then stays up a moment as a server would.
+FAKE_JUPYTER = ('echo "jupyter $*"; echo "jupyter saw JUPYTER_TOKEN=${JUPYTER_TOKEN:-unset}" > "$HOME/jupyter-env"\n'
+                'port=$(printf "%s\\n" "$@" | sed -n "s/^--port=//p")\n'
+                'echo "{\\"port\\": ${JUPYTER_STUB_PORT:-$port}}" > "$JUPYTER_RUNTIME_DIR/jpserver-$$.json"\n'
+                'eval "${JUPYTER_STUB_EXTRA:-}"\nsleep 1')
+
+
 def fake_site(tmp_path: Path, scontrol: str = 'printf "node-a\\nnode-b\\n"') -> dict:
-    """A SHARDLAB_DIR whose .venv activates a PATH of stubs that print their arguments."""
+    """A course checkout (SHARDLAB_HOME) whose .venv activates a PATH of stubs that print their
+    arguments; its workshop/ and scripts/ are the real ones."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         "srun": 'echo "srun $*"',
         "scontrol": scontrol,
-        "jupyter": 'echo "jupyter $*"; echo "jupyter saw JUPYTER_TOKEN=${JUPYTER_TOKEN:-unset}" > "$HOME/jupyter-env"',
+        "jupyter": FAKE_JUPYTER,
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -29,7 +39,11 @@ def fake_site(tmp_path: Path, scontrol: str = 'printf "node-a\\nnode-b\\n"') -> 
     venv.mkdir(parents=True)
     python_dir = str(Path(sys.executable).parent)
     (venv / "activate").write_text(f'export PATH="{bin_dir}:{python_dir}:$PATH"\n')
-    return {**os.environ, "SHARDLAB_DIR": str(tmp_path), "SLURM_SUBMIT_DIR": str(tmp_path),
+    (tmp_path / "workshop").symlink_to(WORKSHOP)
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_start_here.ipynb").write_text("{}")
+    return {**os.environ, "SHARDLAB_HOME": str(tmp_path), "SLURM_SUBMIT_DIR": str(tmp_path),
             "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
             "SLURM_GPUS_ON_NODE": "4", "SLURM_SUBMIT_HOST": "login1", "USER": "learner",
             "SLURM_CPUS_PER_TASK": "16", "HOME": str(tmp_path / "home"),
@@ -94,9 +108,61 @@ def test_jupyter_sbatch_keeps_the_token_private_and_binds_to_localhost(tmp_path)
 def test_jupyter_sbatch_url_file_is_private_while_the_job_runs(tmp_path):
     site = fake_site(tmp_path)
     seen = tmp_path / "seen"
-    (tmp_path / "bin" / "jupyter").write_text(
-        f'#!/bin/bash\nstat -c "%a" "$HOME/.shardlab/jupyter-4242.url" > {seen}\ncat "$HOME/.shardlab/jupyter-4242.url" >> {seen}\n')
-    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=site, capture_output=True, text=True, timeout=120)
+    url = tmp_path / "home" / ".shardlab" / "jupyter-4242.url"
+    wait = f'for i in $(seq 100); do [ -f {url} ] && break; sleep 0.1; done; stat -c "%a" {url} > {seen}; cat {url} >> {seen}'
+    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "JUPYTER_STUB_EXTRA": wait},
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     mode, url = seen.read_text().split()
     assert mode == "600" and url.startswith(f"http://localhost:{8800 + 4242 % 1000}/lab?token=")
+
+
+def test_the_tunnel_names_the_port_the_server_bound(tmp_path):
+    """What the server records as its port is what the tunnel and the URL use, even were it not
+    the port asked for (port_retries=0 makes them equal; the check does not rely on it)."""
+    site = fake_site(tmp_path)
+    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "JUPYTER_STUB_PORT": "9999"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    jupyter = next(line for line in out.stdout.splitlines() if line.startswith("jupyter "))
+    assert "--ServerApp.port_retries=0" in jupyter
+    assert "ssh -N -L 9999:127.0.0.1:9999" in out.stdout and "127.0.0.1:9999 of" in out.stdout
+
+
+def test_jupyter_sbatch_needs_no_user_and_allows_root_only_as_root(tmp_path):
+    site = {k: v for k, v in fake_site(tmp_path).items() if k != "USER"}
+    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=site, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
+    assert f"-J {me}@login1 {me}@" in out.stdout
+    jupyter = next(line for line in out.stdout.splitlines() if line.startswith("jupyter "))
+    assert ("--allow-root" in jupyter) == (os.getuid() == 0)
+
+
+def test_the_scripts_refuse_a_missing_environment_or_working_copy(tmp_path):
+    site = fake_site(tmp_path)
+    for script in ("jupyter.sbatch", "train.sbatch"):
+        out = subprocess.run(["bash", str(WORKSHOP / script)], env={**site, "SHARDLAB_ENV": str(tmp_path / "nope")},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and f"no environment at {tmp_path / 'nope'}" in out.stderr
+        assert "make -C" in out.stderr and "install" in out.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for copy, says in ((tmp_path / "gone", "does not exist"), (empty, "holds no copy of the course")):
+        out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "SHARDLAB_DIR": str(copy)},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and says in out.stderr and "seat.sh" in out.stderr, out.stderr
+
+
+def test_the_site_hook_runs_before_the_environment(tmp_path):
+    """SHARDLAB_SETUP (module load, conda activate) is sourced first; SHARDLAB_ENV=none then
+    uses the environment it activated."""
+    site = fake_site(tmp_path)
+    hook = tmp_path / "site.sh"
+    hook.write_text(f'export PATH="{tmp_path / "bin"}:{Path(sys.executable).parent}:$PATH"; echo "site hook ran"\n')
+    out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch")],
+                         env={**site, "SHARDLAB_SETUP": str(hook), "SHARDLAB_ENV": "none"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("site hook ran") and "srun " in out.stdout

@@ -26,8 +26,35 @@ from pathlib import Path
 
 KINDS = ("node", "bandwidth", "stages", "notebooks", "memory")
 RELATIVE = Path("workshop") / "recorded" / "gpu_results.json"
-NOT_YET = ("No GPU run has been recorded yet. Run `workshop/gpu_check.py --record` under torchrun on a "
-           "GPU node, and notebook 06 there, to record one (workshop/README.md, step 1).")
+NOT_YET = ("No GPU run has been recorded yet. Run `python workshop/gpu_check.py --record` on a GPU node "
+           "(it starts torchrun itself), and notebook 06 there, to record one (workshop/README.md, step 1).")
+
+# Published figures, quoted from their sources with the conditions they state: what a recorded
+# run will look like. Never measured here; published_text() labels every line "published".
+PUBLISHED = [
+    {"what": "all-reduce bus bandwidth, 8 x H100 in one node (NVLink SHARP), at sizes above 256 MB",
+     "value": "~480 GB/s busbw (algbw ~275 GB/s)",
+     "source": "S. Jeaugey (NCCL team), github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06"},
+    {"what": "effective NVLink bandwidth on H100 (450 GB/s line rate, ~20% protocol overhead): the busbw of "
+             "all-gather / reduce-scatter, or all-reduce with NCCL_ALGO=RING",
+     "value": "~370 GB/s busbw",
+     "source": "S. Jeaugey (NCCL team), github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06"},
+    {"what": "Llama 3.1 8B, FSDP, 8 x H100 (96 GB), local batch 2, selective activation checkpointing",
+     "value": "5,762 tokens/s per GPU, 82.4 GiB memory",
+     "source": "torchtitan docs/performance.md, Table 1 (github.com/pytorch/torchtitan)"},
+    {"what": "the same, + torch.compile", "value": "6,667 tokens/s per GPU, 77.0 GiB memory",
+     "source": "torchtitan docs/performance.md, Table 1"},
+    {"what": "the same, + torch.compile + Float8", "value": "8,532 tokens/s per GPU, 76.8 GiB memory",
+     "source": "torchtitan docs/performance.md, Table 1"},
+]
+
+
+def published_text() -> str:
+    """The published figures, each marked published with its source: none is a ShardLab measurement."""
+    lines = ["Published by others (not measured by ShardLab): what a recorded GPU run is compared with."]
+    for row in PUBLISHED:
+        lines.append(f"  published: {row['what']}: {row['value']}  [{row['source']}]")
+    return "\n".join(lines)
 
 
 def default_path() -> Path:

@@ -1,0 +1,155 @@
+"""The engine's CUDA path without a GPU: fake CUDA tensors (FakeTensorMode) and torch's fake group.
+
+Under ``FakeTensorMode`` a CPU-only torch makes ``device="cuda"`` tensors that have shapes,
+dtypes and devices but no values, and the ``fake`` process group accepts collectives without a
+network. On them: ``parallelize`` at stages 0-3 (and bf16 at stage 3), world sizes 2 and 8, then
+a forward pass, checking that every collective's tensors are CUDA tensors (NCCL carries only
+those: a CPU tensor would fail there), and counting the host syncs (``.item()``, ``.tolist()``,
+``.cpu()``, ``bool()``, ``torch.equal``...) against an allow-list that says why each is there.
+
+What this cannot reach, said plainly: the backward pass and the optimizer step. On a CPU-only
+build the autograd engine needs a CUDA device guard for CUDA tensors and aborts the process
+("PyTorch is not linked with support for cuda devices"), so the gradients' reduce-scatters and
+missing_grads.py's ``.tolist()`` on every backward are not counted here. And what only a real
+GPU can show: NCCL's bandwidth, how much communication overlaps compute, the real peak memory,
+and the kernels. ``workshop/gpu_check.py --record`` measures those on the first GPU node.
+
+Fake tensors have no values, so the few reads of a value answer neutrally here and are counted:
+``torch.equal`` -> True, ``bool()`` -> True, ``.tolist()`` -> all False. They are the start-up
+checks (same model on every rank; the backend keeps -0.0's sign), host syncs outside the step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_leaves
+
+import shardlab
+from shardlab import models
+from shardlab.engine import comm
+
+SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "equal", "nonzero"}
+# Where a start-up sync is expected, and why (file of the engine that reads a value).
+STARTUP_ALLOWED = {
+    ("units.py", "equal"): "check_same_model_on_every_rank: every rank built the same units",
+    ("missing_grads.py", "__bool__"): "check_backend_keeps_sign: the backend keeps -0.0's sign bit",
+}
+# Syncs allowed inside the step. Empty for the forward; the backward (not reachable here) has
+# missing_grads.py's .tolist() on every backward, which branch `engine` is moving off the hot path.
+STEP_ALLOWED: dict = {}
+
+
+def _getitem(t, index):
+    """Indexing through aten ops: the Python binding of ``t[i]`` asks for a CUDA device guard."""
+    dim = 0
+    for i in index if isinstance(index, tuple) else (index,):
+        if isinstance(i, int):
+            t = torch.ops.aten.select.int(t, dim, i)
+        elif isinstance(i, slice):
+            t = torch.ops.aten.slice.Tensor(t, dim, i.start, i.stop, i.step or 1)
+            dim += 1
+        elif isinstance(i, torch.Tensor) and i.dtype != torch.bool:
+            t = torch.ops.aten.index.Tensor(t, [None] * dim + [i])
+            dim += i.dim()
+        else:
+            raise NotImplementedError(f"fake-CUDA indexing with {i!r}")
+    return t
+
+
+class FakeCuda(TorchFunctionMode):
+    """CUDA tensors fake, host bookkeeping real; every read of a CUDA value counted as a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = tree_leaves((args, kwargs))
+        if not any(isinstance(a, torch.Tensor) and is_fake(a) for a in leaves) \
+                and "cuda" not in str(kwargs.get("device", "")):
+            with unset_fake_temporarily():  # Python ints into a CPU tensor and back: real values
+                return func(*args, **kwargs)
+        if func is torch.Tensor.copy_:
+            return torch.ops.aten.copy_.default(args[0], args[1])
+        if func is torch.Tensor.__getitem__:
+            return _getitem(args[0], args[1])
+        if func is torch.Tensor.__setitem__:
+            view = _getitem(args[0], args[1])
+            if isinstance(args[2], torch.Tensor):
+                torch.ops.aten.copy_.default(view, args[2])
+            else:
+                torch.ops.aten.fill_.Scalar(view, args[2])
+            return None
+        name = getattr(func, "__name__", "")
+        if name in SYNCS and isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda":
+            import traceback
+
+            caller = next((f.filename.rsplit("/", 1)[-1] for f in reversed(traceback.extract_stack()[:-1])
+                           if "/shardlab/" in f.filename), "?")
+            self.syncs.append((caller, name))
+            return {"equal": True, "__bool__": True, "tolist": [False] * args[0].numel()}.get(name, 0)
+        return func(*args, **kwargs)
+
+
+class NoInit(TorchFunctionMode):
+    """Random init needs a CUDA generator; fake tensors have no values to initialise."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.normal_, torch.Tensor.uniform_) or getattr(func, "__module__", "") == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def fake_group(request, monkeypatch):
+    world = request.param
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # c10d asks (an H100's)
+    seen = []
+    issue = comm._issue
+
+    def record(kind, fn, out, inp, **kw):
+        seen.append((kind, [t for t in (out, inp) if isinstance(t, torch.Tensor)]))
+        return issue(kind, fn, out, inp, **kw)
+
+    monkeypatch.setattr(comm, "_issue", record)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield world, seen
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_group", [2, 8], indirect=True)
+@pytest.mark.parametrize("stage, bf16", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_a_step_on_fake_cuda_sends_only_cuda_tensors_and_syncs_only_where_allowed(fake_group, stage, bf16):
+    world, seen = fake_group
+    with FakeTensorMode():
+        with torch.device("cuda"), NoInit():
+            model = models.gpt("tiny")
+        assert next(model.parameters()).device.type == "cuda"
+        mode = FakeCuda()
+        with mode:
+            precision = shardlab.MixedPrecision() if bf16 else None
+            model, _ = shardlab.parallelize(model, stage=stage, mixed_precision=precision)
+        startup = list(mode.syncs)
+        mode.syncs.clear()
+        started = len(seen)
+        x = torch.randint(0, models.SIZES["tiny"].vocab, (2, 16), device="cuda")
+        with mode, torch.no_grad():
+            logits = model(x)
+        assert logits.device.type == "cuda" and logits.shape[:2] == (2, 16)
+    for kind, tensors in seen:
+        assert tensors and all(t.device.type == "cuda" for t in tensors), f"{kind} got {[t.device for t in tensors]}"
+    assert {kind for kind, _ in seen[:started]} >= {"all_gather"}  # the start-up checks gather
+    forward = [kind for kind, _ in seen[started:]]
+    assert forward.count("all_gather") == (len(model._shardlab.units) if stage == 3 else 0)
+    unexpected = [s for s in startup if s not in STARTUP_ALLOWED]
+    assert not unexpected, f"start-up host syncs nobody allowed: {unexpected}"
+    assert set(startup) == set(STARTUP_ALLOWED), f"an allowed start-up sync is gone: tighten STARTUP_ALLOWED ({startup})"
+    assert mode.syncs == [] and not STEP_ALLOWED, f"host syncs in the forward: {mode.syncs}"
