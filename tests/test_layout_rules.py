@@ -263,3 +263,13 @@ def test_the_cycle_finder_finds_a_cycle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "imports_of", with_old_edge)
     assert ["shardlab.course.quiz_bank", "shardlab.course.quiz_widgets", "shardlab.course.quiz_bank"] in \
         import_cycles("shardlab.course")
+
+
+# -- no pyplot ------------------------------------------------------------------------------------
+
+def test_no_module_draws_through_pyplot():
+    """``instruments/plots.py``'s rule, for the whole package: figures come from
+    ``plots.new_figure`` (an Agg canvas), so nothing switches a notebook's backend."""
+    found = [f"{path.relative_to(SRC)}:{line}" for path in modules() for line, name in imports_of(path)
+             if name == "matplotlib.pyplot" or name.startswith("matplotlib.pyplot.")]
+    assert not found, "these modules import matplotlib.pyplot; draw on plots.new_figure() instead:\n  " + "\n  ".join(found)
