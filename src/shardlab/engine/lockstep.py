@@ -6,6 +6,9 @@ token chose). So every rank walks the units in one fixed order per phase::
     forward:   registration order, the root first
     backward:  the reverse of the order in which units finish their forward, the root first
 
+(The reductions have an order of their own, ``base.reduce_order``: reverse registration, the
+root *last*, since the root's gradients are complete only when backward ends.)
+
 On reaching a unit, a rank first does, for each unit it skipped, what the ranks that ran it
 do: gather and free (in forward), gather, free and join the reduction with ``-0.0`` (in
 backward, as soon as :meth:`UnitWalk.walked_past` says that unit's backward is over on every
