@@ -1,8 +1,8 @@
 """pytest's hooks and fixtures for tests/: the slow-down factor applied to pytest's own limits,
 and the parity summary.
 
-The shared helpers live in the plain module ``support.py`` (``from support import slowdown``).
-``conftest`` re-exports them for one more round, for files not yet moved over.
+The shared helpers live in the plain module ``support.py`` (``from support import slowdown``);
+this file only reads ``SLOWDOWN`` from it, to scale pytest's and nbval's limits.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from support import slowdown
 
 import shardlab
 from shardlab.cluster import ClusterError, CollectiveTimeout, RankTimeout
+from shardlab.cluster.engines import Health
 
 _cells = itertools.count()
 TIMEOUT = slowdown(4.0)  # seconds a collective may wait: short, so that the timeout tests are quick
@@ -75,7 +76,7 @@ def shared():
     before, state = family(), {"cluster": None}
     yield state
     if state["cluster"] is not None:
-        folder = state["cluster"]._profile_dir
+        folder = state["cluster"].pool.profile_dir
         state["cluster"].stop()
         assert not folder or not os.path.exists(folder), f"stop() left {folder} behind"
     assert family() <= before
@@ -85,7 +86,7 @@ def shared():
 def cluster(shared):
     """The shared cluster, running, with ``kept = rank`` on every rank: tests run in any order."""
     c = shared["cluster"]
-    if c is None or c._stopped:
+    if c is None or c.health is Health.STOPPED:
         c = shared["cluster"] = shardlab.start_cluster(4, timeout=TIMEOUT, quiet=True)
         c.interrupt_grace = slowdown(5)  # an interrupted rank's time to answer, on a loaded machine
     c.run_cell("kept = rank")  # restarts the ranks first if a test killed one
@@ -191,9 +192,8 @@ def test_ranks_magic(cluster, capsys, monkeypatch):
             self.magics[(magic_kind, magic_name)] = fn
 
     shell = Shell()
-    monkeypatch.setattr(runtime, "_shell", lambda: shell)
     monkeypatch.delenv("SHARDLAB_DEBUG", raising=False)
-    runtime._register_magic()
+    runtime.register_ranks_magic(shell, lambda: cluster)
     ranks = shell.magics[("cell", "ranks")]
     ranks("", "y = rank * 100\nprint('y is', y)")
     assert "[rank 3] y is 300" in capsys.readouterr().out
@@ -367,13 +367,13 @@ def test_starts_replacements_and_stops_leave_no_orphans_or_ports(cluster, capsys
     capsys.readouterr()
     first = shardlab.start_cluster(2, timeout=TIMEOUT)  # not quiet: the progress bar shows
     out, err = capsys.readouterr()
-    dirs.append(first._profile_dir)
+    dirs.append(first.pool.profile_dir)
     assert "2 engines up" in err and "process group joined" in err  # the bar names its phases
     assert out == ""  # no "ready" line: the repr says it, once
     assert f"running, ready in {first.start_seconds:.1f} s)" in repr(first)
     assert first.run(lam("lambda: rank")) == [0, 1]
     second = shardlab.start_cluster(2, timeout=TIMEOUT, quiet=True)  # replaces the first
-    dirs.append(second._profile_dir)
+    dirs.append(second.pool.profile_dir)
     assert "stopped" in repr(first) and not strays(dirs[:1])
     with pytest.raises(RuntimeError, match="stopped"):
         first.run(lam("lambda: 0"))
@@ -389,7 +389,7 @@ def test_a_killed_kernel_takes_its_ranks_along(tmp_path):
     script.write_text(textwrap.dedent("""
         import time, shardlab
         c = shardlab.start_cluster(2, quiet=True)
-        print(c._profile_dir, *c.pids, flush=True)
+        print(c.pool.profile_dir, *c.pids, flush=True)
         time.sleep(120)
         """))
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

@@ -29,13 +29,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "shardlab"
 PARTS = sorted(p.parent.name for p in PKG.glob("*/README.md"))
 
-# The one door's exceptions, exactly two, while other branches of issue 22 route them through
-# comm (train.py: the GPU work; labs/pieces.py: the labs work). Each entry names a file that
-# still calls a collective directly; once it does not, the test below fails until the entry is
-# removed, so this list can only shrink. Remove the list once those branches are merged.
-ONE_DOOR_PENDING = {
-}
-
 # A collective is a torch.distributed function (in any of its submodules) whose name starts
 # with one of these: all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast,
 # barrier, send/recv/isend/irecv, gather/scatter(_object), all_to_all_single, ...
@@ -210,21 +203,13 @@ def test_the_door_finder_sees_calls_aliases_and_references(tmp_path):
 
 
 def test_every_collective_goes_through_engine_comm():
-    offenders, pending_clean = [], []
+    offenders = []
     for path in modules():
         rel = path.relative_to(SRC).as_posix()
-        if rel == "shardlab/engine/comm.py":
-            continue
-        uses = collective_uses(path)
-        if rel in ONE_DOOR_PENDING:
-            if not uses:
-                pending_clean.append(rel)
-        elif uses:
-            offenders += [f"{rel}:{u}" for u in uses]
+        if rel != "shardlab/engine/comm.py":
+            offenders += [f"{rel}:{u}" for u in collective_uses(path)]
     assert not offenders, ("call collectives through shardlab.engine.comm (all_gather, reduce_scatter, "
                            "all_reduce, broadcast, barrier, all_reduce_max, gather_lists):\n  " + "\n  ".join(offenders))
-    assert not pending_clean, f"{pending_clean} no longer call a collective: remove them from ONE_DOOR_PENDING"
-    assert all((SRC / rel).is_file() for rel in ONE_DOOR_PENDING), "ONE_DOOR_PENDING names a file that is gone"
 
 
 # -- no import cycles -----------------------------------------------------------------------------
@@ -259,11 +244,10 @@ def import_cycles(package: str) -> list[list[str]]:
     return cycles
 
 
-@pytest.mark.parametrize("package", ["shardlab.course", "shardlab.planner"])
-def test_no_import_cycle_inside_course_or_planner(package):
-    """The planner's package imports its submodules, which never import the package's own names."""
-    cycles = import_cycles(package)
-    assert not cycles, f"import cycles in {package}:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+def test_no_import_cycle_anywhere_in_shardlab():
+    """Deferred imports and ``if TYPE_CHECKING`` count too: a cycle hidden in a function is still one."""
+    cycles = import_cycles("shardlab")
+    assert not cycles, "import cycles in shardlab:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_planner_sits_between_the_instruments_and_the_course():
@@ -286,3 +270,13 @@ def test_the_cycle_finder_finds_a_cycle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "imports_of", with_old_edge)
     assert ["shardlab.course.quiz_bank", "shardlab.course.quiz_widgets", "shardlab.course.quiz_bank"] in \
         import_cycles("shardlab.course")
+
+
+# -- no pyplot ------------------------------------------------------------------------------------
+
+def test_no_module_draws_through_pyplot():
+    """``instruments/plots.py``'s rule, for the whole package: figures come from
+    ``plots.new_figure`` (an Agg canvas), so nothing switches a notebook's backend."""
+    found = [f"{path.relative_to(SRC)}:{line}" for path in modules() for line, name in imports_of(path)
+             if name == "matplotlib.pyplot" or name.startswith("matplotlib.pyplot.")]
+    assert not found, "these modules import matplotlib.pyplot; draw on plots.new_figure() instead:\n  " + "\n  ".join(found)

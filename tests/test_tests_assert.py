@@ -6,8 +6,9 @@ in ``tests/test_*.py``, at module level or in a ``Test*`` class) must contain, a
 
 * an ``assert`` statement, or ``pytest.raises`` / ``pytest.warns`` / ``pytest.fail``;
 * a call to an ``assert_*`` function (``torch.testing.assert_close``, ``np.testing.assert_*``);
-* or a call to a function defined in ``tests/`` that itself meets this rule (found by name, to
-  any depth: ``check_case(...)`` that asserts counts; a helper that only computes does not).
+* or a call to a function defined in ``tests/`` that itself meets this rule (a plain-name call,
+  ``check_case(...)``, to any depth; a helper that only computes does not). A method call
+  (``future.result()``) earns no credit, even if some helper in ``tests/`` is named ``result``.
 
 The check reads the source (``ast``); it runs nothing.
 """
@@ -42,7 +43,8 @@ def _asserts_itself(fn: ast.AST) -> bool:
 
 
 def _calls(fn: ast.AST) -> set[str]:
-    return {name for node in ast.walk(fn) if isinstance(node, ast.Call) and (name := _called_name(node))}
+    """Names of the plain-name calls in ``fn``: the only calls that can reach a helper by its name."""
+    return {node.func.id for node in ast.walk(fn) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
 
 
 def _functions(folder: Path) -> dict[str, list[ast.AST]]:
@@ -105,8 +107,9 @@ def test_the_rule_has_teeth(tmp_path):
         "def test_raises():\n    with pytest.raises(ValueError):\n        int('x')\n"
         "def test_close():\n    torch.testing.assert_close(1.0, 1.0)\n"
         "def test_through_helpers():\n    run_and_check(1)\n"
+        "def test_through_a_method():\n    future = compute(1)\n    future.check_case()\n"
         "class TestGroup:\n    def test_in_class(self):\n        compute(2)\n", encoding="utf-8")
     assert unasserted_tests(tmp_path) == [
         "test_probe.py::test_only_draws (line 2)", "test_probe.py::test_only_computes (line 4)",
-        "test_probe.py::test_in_class (line 16)"]
+        "test_probe.py::test_through_a_method (line 15)", "test_probe.py::test_in_class (line 19)"]
 

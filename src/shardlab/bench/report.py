@@ -59,16 +59,17 @@ def _load(load) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Step time (with the DDP and fully_shard lines) and memory per configuration."""
-    import matplotlib
+    """Step time (with the DDP and fully_shard lines) and memory per configuration.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a figure of :func:`shardlab.instruments.plots.new_figure`, never through pyplot, as
+    every figure of the package is: no global backend switched, nothing left open."""
+    from shardlab.instruments.plots import new_figure
 
     rows = result["rows"]
     names = list(rows)
     colors = ["tab:blue" if n.startswith("shardlab") else "tab:orange" for n in names]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    fig = new_figure(13, 4.8)
+    ax1, ax2 = fig.subplots(1, 2, sharey=True)
     y = range(len(names))
     ax1.barh(y, [rows[n]["step_s"] for n in names], color=colors)
     for base, style in (("torch-ddp", "--"), ("torch-fsdp", ":")):
@@ -93,6 +94,4 @@ def plot(result: dict, path: str) -> None:
     o = result["options"]
     fig.suptitle(f"{o['model']} ({result['params'] / 1e6:.1f}M params), {o['world_size']} ranks on {o['device']}, "
                  f"torch {result['machine']['torch']}: ShardLab (blue) vs PyTorch (orange)")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

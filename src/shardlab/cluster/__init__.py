@@ -32,7 +32,8 @@ The runtime never hangs and never leaves processes behind:
 
 The pieces, one file each:
 
-* ``core.py``      the :class:`Cluster`: start, stop, restart; :func:`start_cluster`, :func:`current`
+* ``core.py``      the :class:`Cluster`: start, run, stop, restart; :func:`start_cluster`, :func:`current`
+* ``engines.py``   the ranks' processes and process group, and their one health state
 * ``runs.py``      one run: send to every rank, wait with a deadline, interrupt, notice dead ranks
 * ``on_rank.py``   what runs inside each rank: join the group, run a function or a cell, pull
 * ``shipping.py``  sending notebook-defined functions and classes (and what they use) to the ranks

@@ -1,7 +1,7 @@
 """What a failed run raises in the notebook, and how the ranks' failures are told apart.
 
 When one rank fails, its peers fail too ("a peer failed", or a collective timeout), so a plain
-list of four tracebacks buries the cause. :func:`_explain` sorts the failures into the cause
+list of four tracebacks buries the cause. :func:`explain` sorts the failures into the cause
 (an exception in the learner's code), the echoes (peers released, collectives timed out) and
 the casualties (ranks that hung or died), and says first what happened and what happens next.
 
@@ -73,7 +73,7 @@ class CollectiveTimeout(RankTimeout):
     """A collective did not complete in time: some rank never joined it."""
 
 
-def _died(why: str) -> dict:
+def died(why: str) -> dict:
     """The outcome of a rank whose engine died: shaped like a failure the rank reported itself."""
     return {"ok": False, "died": True, "stdout": "", "stderr": "",
             "error": {"type": "RankDied", "message": why, "frames": [], "timeout": False,
@@ -134,7 +134,7 @@ def _span(ranks) -> str:
     return _ranks(ranks)
 
 
-def _interrupted(ranks, stuck) -> RanksInterrupted:
+def interrupted(ranks, stuck) -> RanksInterrupted:
     """The one line the stop button prints: which ranks were interrupted, and what state is left."""
     if not stuck:
         return RanksInterrupted(f"interrupted on ranks {_span(ranks)}; the cluster is ready")
@@ -143,7 +143,7 @@ def _interrupted(ranks, stuck) -> RanksInterrupted:
         "killed: the ranks restart on the next run, and their variables are lost")
 
 
-def _explain(failures: dict, waited: float, timeout: float, debug: bool = False) -> ClusterError:
+def explain(failures: dict, waited: float, timeout: float, debug: bool = False) -> ClusterError:
     """Turn per-rank failures into one readable error: the cause first, the echoes after.
 
     ``failures`` maps rank -> outcome (None for a rank that never answered); ``waited`` is how

@@ -2,17 +2,16 @@
 
 A cell magic rather than only ``cluster.run_cell(...)``: learners write rank code as ordinary
 cells (with ``rank``, ``world_size``, ``dist`` and ``torch`` already defined), and see each
-rank's output labelled ``[rank r]``. :func:`~shardlab.cluster.start_cluster` registers it.
+rank's output labelled ``[rank r]``. :func:`~shardlab.cluster.start_cluster` registers it,
+passing how to find the current cluster, so this file needs nothing of ``core.py``.
 """
 
 from __future__ import annotations
 
-from shardlab.cluster.core import current
-from shardlab.cluster.on_rank import _shell
 
-
-def _register_magic() -> None:
-    shell = _shell()
+def register_ranks_magic(shell, get_cluster) -> None:
+    """Register ``%%ranks`` in IPython ``shell`` (None: not under IPython, nothing to do);
+    ``get_cluster()`` returns the cluster a cell runs on when it runs."""
     if shell is None or getattr(shell, "_shardlab_magic", False):
         return
 
@@ -22,9 +21,7 @@ def _register_magic() -> None:
         # Named as Jupyter names the cell, body from line 2: a rank's traceback shows
         # "Cell In[10], line 3" and the line, as a failing ordinary cell would.
         name = f"Cell In[{getattr(shell, 'execution_count', '?')}]"
-        _, error = current()._submit("cell", (cell, name, 2), (), {}, {}, {}, timeout, show_values=True)
-        if error is not None:
-            raise error  # shown by the error's own _render_traceback_: the cell, not the runtime
+        get_cluster().run_cell(cell, timeout, name=name, first_line=2)
 
     shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
     shell._shardlab_magic = True

@@ -4,7 +4,7 @@ The kernel sends these functions to the engines with ipyparallel, which re-impor
 on the engine and runs them against its globals: so everything they use must be importable
 from here, and this file must stay cheap to import (torch is imported inside the functions).
 
-Nothing raised here reaches ipyparallel: :func:`_on_rank` returns an exception as plain data,
+Nothing raised here reaches ipyparallel: :func:`run_on_rank` returns an exception as plain data,
 after leaving the process group, so that the kernel can explain the failure rank by rank and
 peers blocked in a collective with the failed rank are released at once.
 """
@@ -22,18 +22,18 @@ import os
 import sys
 import traceback
 
-from shardlab.cluster.shipping import _ClassSpec
+from shardlab.cluster.shipping import ClassSpec
 
 _cell_numbers = itertools.count(1)  # names %%ranks cells in tracebacks, on each rank
 
 
 def _user_ns() -> dict:
     """The rank's interactive namespace: where %%ranks cells and notebook functions live."""
-    shell = _shell()
+    shell = ipython_shell()
     return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
 
 
-def _shell():
+def ipython_shell():
     try:
         from IPython import get_ipython
     except ImportError:  # pragma: no cover - ipyparallel depends on IPython
@@ -41,7 +41,7 @@ def _shell():
     return get_ipython()
 
 
-def _init_rank(rank: int, world_size: int, host: str, port: int, backend: str, timeout: float,
+def init_rank(rank: int, world_size: int, host: str, port: int, backend: str, timeout: float,
                threads: int | None) -> dict:
     """(Re)join the process group as ``rank``; put ``rank``, ``world_size``, ``torch``, ``dist``
     and ``device`` in the rank's namespace so cells can use them directly."""
@@ -114,7 +114,7 @@ def _failure(exc: BaseException) -> dict:
     }
 
 
-def _on_rank(kind: str, payload, args=(), kwargs=None, imports=None, defs=None) -> dict:
+def run_on_rank(kind: str, payload, args=(), kwargs=None, imports=None, defs=None) -> dict:
     """Run a function (``kind="call"``) or a cell's source (``kind="cell"``) on this rank.
 
     ``imports`` and ``defs`` are what the function needs from the notebook (see
@@ -127,7 +127,7 @@ def _on_rank(kind: str, payload, args=(), kwargs=None, imports=None, defs=None) 
         if alias not in ns:
             ns[alias] = importlib.import_module(module)
     for name, value in (defs or {}).items():
-        ns[name] = value.build(ns) if isinstance(value, _ClassSpec) else value
+        ns[name] = value.build(ns) if isinstance(value, ClassSpec) else value
     out, err = io.StringIO(), io.StringIO()
     result = {"ok": True, "value": None, "has_value": False}
     try:
@@ -151,7 +151,7 @@ def _exec_cell(cell, ns: dict) -> tuple[bool, object]:
     so that tracebacks point at the lines the learner sees.
     """
     source, name, first_line = cell if isinstance(cell, tuple) else (cell, None, 1)
-    shell = _shell()
+    shell = ipython_shell()
     if shell is not None:
         source = shell.transform_cell(source)  # %magics and !shell lines work in %%ranks cells
     source = "\n" * (first_line - 1) + source
@@ -167,8 +167,8 @@ def _exec_cell(cell, ns: dict) -> tuple[bool, object]:
     return value is not None, value
 
 
-def _pull(name: str):
-    """The value of ``name`` on this rank (run through :func:`_on_rank`, so errors come back too)."""
+def pull_value(name: str):
+    """The value of ``name`` on this rank (run through :func:`run_on_rank`, so errors come back too)."""
     ns = _user_ns()
     if name not in ns:
         raise NameError(f"name {name!r} is not defined on this rank")

@@ -40,7 +40,7 @@ def _guarded(module: str, profile_dir: str, preload: bool = False) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def _launch_config(engines: str, profile_dir: str, extra: dict):
+def launch_config(engines: str, profile_dir: str, extra: dict):
     """ipyparallel's traitlets config: local processes guarded and lean, then ``extra`` on top."""
     from traitlets.config import Config
 
@@ -57,7 +57,7 @@ def _launch_config(engines: str, profile_dir: str, extra: dict):
     return config
 
 
-def _cores() -> int:
+def cores() -> int:
     """CPU cores this process may use (fewer than the machine's in a container or under taskset)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -65,14 +65,14 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _routable_host() -> str:
+def routable_host() -> str:
     """This machine's name as engines on other machines reach it."""
     import socket
 
     return socket.getfqdn()
 
 
-def _processes(ipp) -> list:
+def processes(ipp) -> list:
     """Every process of an ipyparallel cluster: launcher processes and all their descendants."""
     import psutil
 
@@ -90,9 +90,9 @@ def _processes(ipp) -> list:
     return procs
 
 
-def _engine_processes(ipp) -> list:
+def engine_processes(ipp) -> list:
     """The cluster's processes except the controller: the ranks, killed to free the CPU at once."""
-    return [p for p in _processes(ipp) if "ipyparallel.controller" not in " ".join(_cmdline(p))]
+    return [p for p in processes(ipp) if "ipyparallel.controller" not in " ".join(_cmdline(p))]
 
 
 def _cmdline(proc) -> list[str]:
@@ -102,7 +102,7 @@ def _cmdline(proc) -> list[str]:
         return []
 
 
-def _exit_codes(pids: list[int]) -> dict[int, int | None]:
+def exit_codes(pids: list[int]) -> dict[int, int | None]:
     """Ranks (indexes into ``pids``) whose process is gone, with its exit code when known."""
     import psutil
 
@@ -119,7 +119,7 @@ def _exit_codes(pids: list[int]) -> dict[int, int | None]:
     return gone
 
 
-def _kill(procs) -> None:
+def kill(procs) -> None:
     """SIGKILL whatever is still alive in ``procs`` and reap it."""
     import psutil
 

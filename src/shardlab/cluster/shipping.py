@@ -1,9 +1,9 @@
 """Shipping notebook-defined code to the ranks: a function, and what it uses from the notebook.
 
 ipyparallel sends a function's code, but runs it against the rank's namespace, where the
-notebook's own helpers and ``import numpy as np`` do not exist. :func:`_references` finds
+notebook's own helpers and ``import numpy as np`` do not exist. :func:`references` finds
 what a notebook function uses (modules, notebook functions, notebook classes, recursively);
-modules travel by name, functions by value, classes as a :class:`_ClassSpec`. Data never
+modules travel by name, functions by value, classes as a :class:`ClassSpec`. Data never
 travels: a rank's variables are its own.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import types
 
 
-class _ClassSpec:
+class ClassSpec:
     """A class defined in the notebook, sent by value and rebuilt on each rank.
 
     ipyparallel's own pickling recurses forever on a method that calls ``super()`` (its
@@ -22,7 +22,7 @@ class _ClassSpec:
 
     def __init__(self, cls: type):
         self.name = cls.__name__
-        self.bases = tuple(_ClassSpec(b) if b.__module__ == cls.__module__ else b for b in cls.__bases__)
+        self.bases = tuple(ClassSpec(b) if b.__module__ == cls.__module__ else b for b in cls.__bases__)
         attrs = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
         self.attrs = {k: _pack(v) for k, v in attrs.items()}
         # Kept here only, to find the imports and helpers the methods use (not sent).
@@ -33,7 +33,7 @@ class _ClassSpec:
 
     def build(self, ns: dict) -> type:
         """The class again, on a rank; its methods' globals are the rank's namespace ``ns``."""
-        bases = tuple(b.build(ns) if isinstance(b, _ClassSpec) else b for b in self.bases)
+        bases = tuple(b.build(ns) if isinstance(b, ClassSpec) else b for b in self.bases)
         holes: list = []  # __class__ cells, filled once the class exists
         attrs = {k: _unpack(v, ns, holes) for k, v in self.attrs.items()}
         cls = types.new_class(self.name, bases, exec_body=lambda body: body.update(attrs))
@@ -88,11 +88,11 @@ def _unpack(packed, ns, holes):
     return packed[1]
 
 
-def _references(fn) -> tuple[dict, dict]:
+def references(fn) -> tuple[dict, dict]:
     """Imports and notebook-defined functions/classes that ``fn`` uses, to send along with it.
 
     Returns ``(imports, defs)``: alias -> module name, and name -> function or
-    :class:`_ClassSpec`. Only functions defined in the notebook (module ``__main__`` or another
+    :class:`ClassSpec`. Only functions defined in the notebook (module ``__main__`` or another
     dunder name) are searched; a function from an importable module finds its own globals.
     """
     imports: dict[str, str] = {}
@@ -120,7 +120,7 @@ def _references(fn) -> tuple[dict, dict]:
                 defs[name] = value
                 visit(value)
             elif isinstance(value, type) and value.__module__ == home and name not in defs:
-                defs[name] = spec = _ClassSpec(value)
+                defs[name] = spec = ClassSpec(value)
                 for method in spec.methods:
                     visit(method)
 

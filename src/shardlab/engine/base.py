@@ -1,26 +1,31 @@
 """What every ZeRO stage shares: units, gradient-ready hooks, the reductions' order, no_sync.
 
-The stage contract. Each stage file defines exactly the public methods listed for it here
-(``tests/test_stage_contract.py`` reads this table, so it cannot drift); everything else lives
-in this file, once::
+The stage contract. Each stage file defines exactly the methods listed for it here, and so do
+stage 3's two helper parts (``tests/test_stage_contract.py`` reads this table, so it cannot
+drift); everything else lives in this file, once::
 
-    ddp.py    shard, reduce_grads, keep_grads, after_step
-    zero1.py  shard, reduce_grads, after_step
-    zero2.py  (none: one class attribute)
-    zero3.py  __init__, shard, reduce_grads, after_step, forward_start, pre_forward, post_forward,
-              forward_done, post_backward, backward_done, pre_backward, prefetch_next,
-              count_accumulators, holding, held_backward
+    ddp.py           make_master, reduce_grads, keep_grads, after_step
+    zero1.py         make_master, reduce_grads, after_step
+    zero2.py         (none: one class attribute)
+    zero3.py         __init__, make_master, reduce_grads, after_step, pre_forward, post_forward,
+                     post_backward, root_pre_forward, root_post_forward, root_post_backward;
+                     its own: pre_backward, prefetch_next, free_after_forward
+    lockstep.py      UnitWalk: __init__, new_forward, forward_to, backward_to, finish,
+                     walked_past, _walk_to, _enter
+    graph_window.py  GraphWindow: __init__, keeps_units_gathered, backward_spans_forwards,
+                     forward_started, forward_ended, backward_ended, count_accumulators
 
-* ``shard(unit)``: which part of a unit the optimizer steps on this rank (the master);
-  ``reduce_grads(unit)``: start combining a unit's gradients across ranks, *returning* the
-  :class:`~shardlab.engine.flat.Reduction` (the base queues it and waits for it);
-  ``keep_grads(reduction)``: what is kept when it lands; ``after_step(unit)``: how the updated
-  weights reach the parameters again;
-* ``forward_start()``, ``pre_forward(unit)``, ``post_forward(unit, output)``, ``forward_done()``,
-  ``post_backward(unit)``, ``backward_done()``: the points of a step where stage 3 gathers and
-  frees (stages 0-2 keep the base's versions). The rest of ``zero3.py``'s list is its own:
-  ``pre_backward`` (a unit's output gradient arrived: gather it), ``prefetch_next``, and what
-  several forwards before one backward need (``count_accumulators``, ``holding``, ``held_backward``);
+* ``make_master(unit)``: what the optimizer steps on this rank, the *master* (the whole flat
+  buffer at stage 0, one shard above); ``reduce_grads(unit)``: start combining a unit's
+  gradients across ranks, *returning* the :class:`~shardlab.engine.flat.Reduction` (the base
+  queues it and waits for it); ``keep_grads(reduction)``: what is kept when it lands;
+  ``after_step(unit)``: how the updated weights reach the parameters again;
+* ``pre_forward(unit)``, ``post_forward(unit, output)``, ``post_backward(unit)``: the points of a
+  unit's step where stage 3 gathers and frees, and ``root_pre_forward()``,
+  ``root_post_forward()``, ``root_post_backward()`` the same for the whole model (stages 0-2
+  keep the base's versions). The names after "its own" are stage 3's alone: ``pre_backward``
+  (a unit's output gradient arrived: gather it), ``prefetch_next`` and ``free_after_forward``;
+  its walk and its graph window are the two helper rows;
 
 and sets class attributes instead of testing stage numbers: ``shards_optimizer_state`` and
 ``shards_params`` (the paper's P_os and P_p), ``reduce_as_ready`` (ZeRO-2's P_g: see below).
@@ -96,10 +101,9 @@ class Engine:
         broadcast_untrained_state(model)
         self.units: list[FlatUnit] = []
         for index, (name, module, params) in enumerate(groups):
-            unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size, index=index)
+            unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size, index=index, module=module)
             comm.broadcast(unit.full, src=0, unit=name)  # every rank starts from rank 0's weights
-            unit.module = module
-            unit.master = nn.Parameter(self.shard(unit))
+            unit.master = nn.Parameter(self.make_master(unit))
             unit.cast(param_dtype if self.mixed else unit.master_dtype)
             self.units.append(unit)
         self.root = self.units[-1] if self.units[-1].module is model else None
@@ -139,7 +143,7 @@ class Engine:
         return self.shards_params or self.grads_in_params
 
     # -- the stage's decisions ----------------------------------------------------------------
-    def shard(self, unit: FlatUnit) -> torch.Tensor:
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
         raise NotImplementedError
 
     def reduce_grads(self, unit: FlatUnit) -> Reduction:
@@ -154,50 +158,49 @@ class Engine:
     # -- forward ----------------------------------------------------------------------------
     def _on_root_forward(self, module, args, kwargs):
         self.state = TrainingState.FORWARD
-        self.forward_start()
+        self.root_pre_forward()
         if self.mixed:  # cast floating-point inputs to the compute dtype
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
 
     def _on_root_forward_end(self, module, args, output) -> None:
-        self.forward_done()
+        self.root_post_forward()
         self.state = TrainingState.IDLE
         if torch.is_grad_enabled():
             on_output_grad(output, self._start_backward)
 
-    def forward_start(self) -> None:
+    def root_pre_forward(self) -> None:
         """The root's forward begins (before any unit's)."""
 
     def pre_forward(self, unit: FlatUnit) -> None:
-        events.emit("forward", unit=unit.name)
+        events.emit(events.FORWARD, unit=unit.name)
 
     def post_forward(self, unit: FlatUnit, output) -> None:
         """Stages 0-2 have nothing to free; when traced, mark where the unit's backward starts."""
-        events.emit("forward_done", unit=unit.name)
+        events.emit(events.FORWARD_DONE, unit=unit.name)
         if events.active() and torch.is_grad_enabled():
-            on_output_grad(output, lambda: events.emit("backward", unit=unit.name))
+            on_output_grad(output, lambda: events.emit(events.BACKWARD, unit=unit.name))
 
-    def forward_done(self) -> None:
+    def root_post_forward(self) -> None:
         """The root's forward returned."""
 
     # -- backward ---------------------------------------------------------------------------
     def _start_backward(self) -> None:
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, unit: FlatUnit) -> None:
         """Called after each parameter's gradient is accumulated; a unit is done at zero."""
         self._start_backward()
-        if unit.reduced:
+        if unit.backward_count.reduced:
             raise RuntimeError(
                 f"unit {unit.name!r} got a gradient after its reduction started: at stage 3 units must run "
                 "in registration order (ranks may skip units), and a unit run twice in one forward must be "
                 "so on every rank; register the modules in the order they run, or use stage 2")
-        unit.grads_to_come -= 1
-        if unit.grads_to_come == 0:
-            events.emit("backward_done", unit=unit.name)
+        if unit.backward_count.got_grad():
+            events.emit(events.BACKWARD_DONE, unit=unit.name)
             self.post_backward(unit)
 
     def post_backward(self, unit: FlatUnit) -> None:
@@ -205,19 +208,19 @@ class Engine:
         if self.reduce_as_ready:
             self.issue_reductions()
 
-    def issue_reductions(self, force=lambda unit: False, keep: int | None = None) -> None:
-        """Start, in the fixed order, each reduction whose unit is ready (or ``force(unit)``),
+    def issue_reductions(self, due=lambda unit: False, keep: int | None = None) -> None:
+        """Start, in the fixed order, each reduction whose unit is ready (or ``due(unit)``),
         keeping at most ``keep`` in flight (default ``max_reductions_in_flight``).
 
-        A forced unit is one whose missing gradients will not come on this rank: it reduces
+        ``due(unit)`` says a unit's missing gradients will not come on this rank: it reduces
         ``-0.0`` for them. Only when ``sync``: inside ``no_sync`` gradients stay local.
         """
         keep = self.max_reductions_in_flight if keep is None else keep
         while self.sync and self._next_reduction < len(self.reduce_order):
             unit = self.reduce_order[self._next_reduction]
-            if unit.grads_to_come > 0 and not force(unit):
+            if unit.backward_count.grads_to_come > 0 and not due(unit):
                 return
-            unit.grads_to_come, unit.reduced = 0, True
+            unit.backward_count.start_reduction()
             self._next_reduction += 1
             self._in_flight.append(self.reduce_grads(unit))
             self._finish_reductions(keep=keep)
@@ -233,18 +236,18 @@ class Engine:
             reduction.pending.wait()
             self.keep_grads(reduction)
 
-    def backward_done(self) -> None:
+    def root_post_backward(self) -> None:
         """Autograd is done, before the last reductions are issued."""
 
-    def _end_of_backward(self) -> None:
+    def _finalize_backward(self) -> None:
         """Every rank: the reductions not started yet (units unused here), in the fixed order."""
-        self.backward_done()
-        self.issue_reductions(force=lambda unit: True, keep=len(self.units))  # all at once: backward is over
+        self.root_post_backward()
+        self.issue_reductions(due=lambda unit: True, keep=len(self.units))  # all at once: backward is over
         self._finish_reductions(keep=0)
         if self.sync:
             self._hand_out_grads()
         for unit in self.units:  # a second backward (retain_graph) reduces again
-            unit.grads_to_come, unit.reduced = unit.grads_per_backward, False
+            unit.backward_count.rearm()
         self._next_reduction = 0
         self.state = TrainingState.IDLE
 

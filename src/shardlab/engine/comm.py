@@ -8,8 +8,8 @@ Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
 * ``broadcast``      rank ``src`` sends a buffer to all.
 
 We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
-silently wrong on gloo in several torch releases. Each call emits a ``"comm"`` event when
-issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and ``"comm_done"``
+silently wrong on gloo in several torch releases. Each call emits an ``events.COMM`` event when
+issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and ``events.COMM_DONE``
 when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
 :mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
 
@@ -48,7 +48,7 @@ class Pending:
         if self._event is not None:
             event, self._event = self._event, None
             event["end"] = time.perf_counter()
-            events.emit("comm_done", **event)
+            events.emit(events.COMM_DONE, **event)
 
     @property
     def buffers(self) -> tuple:
@@ -69,7 +69,7 @@ def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pendin
             start=time.perf_counter(),
             phase=events.phase,
         )
-        events.emit("comm", **event)
+        events.emit(events.COMM, **event)
     work = fn(*(t for t in (out, inp) if t is not None), async_op=async_op, **kw)
     pending = Pending(work if async_op else None, event, keep_alive)
     if not async_op:

@@ -3,6 +3,21 @@
 Every rank keeps the full weights, the full gradients and the full optimizer state: that is
 the redundancy ZeRO removes. As soon as a unit's gradients are ready its all-reduce starts, so
 communication overlaps the backward of the units before it (DDP calls a unit a bucket).
+
+What ``base.py`` does for this file, in one backward::
+
+    autograd accumulates p.grad      -> the post-accumulate hook (Engine._on_grad_ready)
+    the unit's last gradient is in   -> post_backward(unit) -> issue_reductions():
+                                        in reduce_order (reverse registration, root last),
+                                        each unit whose gradients are all in: reduce_grads(unit)
+    a reduction lands                -> keep_grads(reduction)   (at most 2 in flight)
+    autograd is done                 -> _finalize_backward(): units this rank never ran join
+                                        with -0.0 ("no gradient"), every reduction lands; the
+                                        master's grad is the average (None where no rank used
+                                        a param), and in fp32 each p.grad is a view of it
+    optimizer.step()                 -> after_step(unit)
+
+``no_sync()`` skips the reductions; the gradients add up locally until a backward outside it.
 """
 
 from __future__ import annotations
@@ -17,7 +32,7 @@ from shardlab.engine.flat import FlatUnit, Reduction
 class DataParallel(Engine):
     stage = 0
 
-    def shard(self, unit: FlatUnit) -> torch.Tensor:
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
         """No sharding: the optimizer steps the whole flat buffer (the parameters themselves in fp32)."""
         return unit.full
 

@@ -1,8 +1,8 @@
 """A tiny event bus: the engine says what it is doing, instruments listen.
 
-The engine calls :func:`emit` at each step of the FSDP cycle (gather issued, gather done,
-forward, free, reduce-scatter, optimizer step) and :mod:`shardlab.engine.comm` emits one event per
-collective. Instruments (communication ledger, timeline, slow-link emulation) subscribe with
+The engine calls :func:`emit` at each step of the FSDP cycle (forward, backward, free,
+optimizer step) and :mod:`shardlab.engine.comm` emits one event per collective, issued and landed.
+The names are the constants below, listed once with their fields. Instruments (communication ledger, timeline, slow-link emulation) subscribe with
 :func:`listen`. With no listener, ``emit`` returns at once, so the hot path pays almost nothing.
 """
 
@@ -13,6 +13,18 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 Listener = Callable[[str, dict], None]
+
+# The events, declared once: emitters and listeners use these names, never the strings.
+# Every event also carries ``time`` (perf_counter) and ``phase`` (below).
+FORWARD = "forward"              #: unit=: a unit's forward starts (its weights are gathered)
+FORWARD_DONE = "forward_done"    #: unit=: a unit's forward returned
+BACKWARD = "backward"            #: unit=: a unit's backward starts (its output's gradient arrived)
+BACKWARD_DONE = "backward_done"  #: unit=: every gradient of a unit is computed
+FREE = "free"                    #: unit=: a unit gave its borrowed shards back
+COMM = "comm"                    #: a collective was issued: kind, numel, dtype, device, world_size, unit, start
+COMM_DONE = "comm_done"          #: that collective landed: the same fields, and end
+STEP_START = "step_start"        #: the optimizer step begins
+STEP_END = "step_end"            #: the optimizer step (and the stage's after_step) is over
 
 _listeners: list[Listener] = []
 

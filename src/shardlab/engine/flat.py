@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.engine import comm, events
+from shardlab.engine.backward_count import BackwardCount
 from shardlab.engine.missing_grads import mark_unused, send_missing, send_present
 
 
@@ -70,11 +71,13 @@ def padded_numel(numel: int, world_size: int) -> int:
 class FlatUnit:
     """One unit: its trainable parameters flattened into ``full``, padded, split into shards."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], *, rank: int, world_size: int, index: int = 0):
+    def __init__(self, name: str, params: list[nn.Parameter], *, rank: int, world_size: int, index: int = 0,
+                 module: nn.Module | None = None):
         self.name = name
         self.params = params
+        self.module = module  # the submodule whose parameters these are (None: a plain list)
         self.rank, self.world_size = rank, world_size
-        self.index = self.last_index = index  # place in the fixed unit order; last unit nested inside
+        self.index = index  # place in the fixed unit order (registration order)
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)  # real elements
@@ -86,15 +89,12 @@ class FlatUnit:
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=self.full[: self.numel])
         self.state = UnitState.GATHERED
+        self._comm_full: torch.Tensor  # ``full`` with its own version counter (``_alias``) ...
+        self._full_views: list[torch.Tensor]  # ... and ``full`` cut per param: both set here
         self._point_params_at(self.full)
         self.master: nn.Parameter | None = None  # what the optimizer steps: set by the stage
         self.shard_views: list[torch.Tensor] | None = None  # stage 3: what params show at rest
-        self.grads_to_come = len(params)  # countdown of gradients still to come in this backward
-        #: per param, the gradient accumulators its uses in this graph hold (stage 3 in mixed
-        #: precision, see ``FSDP.count_accumulators``); each fires the post-accumulate hook once
-        self.accumulators: list[dict[int, object]] = [{} for _ in params]
-        self.reduced = False  # this backward's reduction is issued
-        self.forward_calls = 0  # forwards run in this step (stage 3 counts them)
+        self.backward_count = BackwardCount.for_params(len(params))  # written by its own methods only
         self.unused: list[int] = []  # params that no rank gave a gradient in the last backward
         self.no_grad_here: set[int] = set()  # params this rank gave no gradient in the last packing
         self._gathering: comm.Pending | None = None
@@ -153,7 +153,7 @@ class FlatUnit:
             self._gathering = None
             self.state = UnitState.GATHERED
             if self.shard_views is not None:
-                self._show_full_params()
+                self._grads_back_to_master_or_missing()
 
     def free(self) -> None:
         """Give the borrowed shards back: release ``full``'s memory, keep only the master shard."""
@@ -165,19 +165,20 @@ class FlatUnit:
         if self.shard_views is not None:
             for p, view in zip(self.params, self.shard_views):
                 p.data = view
-            self._show_master_grads()
-        events.emit("free", unit=self.name)
+            self._grads_to_pieces()
+        events.emit(events.FREE, unit=self.name)
 
-    def _show_master_grads(self) -> None:
-        """At rest, each param's ``grad`` shows its piece of the master's gradient again.
+    # Stage 3's params change shape: full views while gathered, shard pieces at rest. Their
+    # ``grad`` follows, by one invariant: whenever params show pieces, each ``p.grad`` shows its
+    # piece of the master's gradient, except a param that holds a gradient of its own
+    # (``no_sync``) or that no rank used. The two methods below keep it at each change.
+    def _grads_to_pieces(self) -> None:
+        """At a free: each param's ``grad`` becomes its piece of the master's gradient (a view).
 
-        Why (the stage-3 accumulation fix): while a unit is gathered its params are full-shaped,
-        so their shard-shaped grads are hidden (``p.grad = None``, the master keeps them). If
-        nothing showed them again at the next free, a second gather in the same accumulation
-        window (micro-batch 2's backward, after its forward freed the unit) would read that
-        ``None`` as the user's ``zero_grad`` and drop micro-batch 1's gradient. So the invariant
-        is: whenever params show shards, ``p.grad`` shows the master's gradient, except for a
-        param that holds a gradient of its own (``no_sync``) or that no rank used.
+        While the unit was gathered its params were full-shaped, so the shard-shaped grads were
+        hidden (``p.grad = None``, the master kept them). Shown again here, a second gather in
+        the same accumulation window (micro-batch 2's backward, after its forward freed the
+        unit) does not read that ``None`` as the user's ``zero_grad`` and drop micro-batch 1.
         """
         grad = self.master.grad
         if grad is None:
@@ -186,11 +187,13 @@ class FlatUnit:
             if p.grad is None and i not in self.unused:
                 p.grad = piece
 
-    def _show_full_params(self) -> None:
-        """Params become full views again; the shard gradients they showed go back to the master.
+    def _grads_back_to_master_or_missing(self) -> None:
+        """At a gather: params become full views again, and the pieces they showed go back to
+        the master. A piece the user dropped (their own optimizer's ``zero_grad``) is written
+        ``-0.0`` in the master's gradient ("no gradient", ``missing_grads.py``), and when every
+        piece was dropped the master's gradient is set to None.
 
-        (Autograd is about to accumulate full-shaped gradients into ``p.grad``.) A shard
-        gradient the user dropped (``zero_grad`` of their own optimizer) is dropped in the master.
+        (Autograd is about to accumulate full-shaped gradients into ``p.grad``.)
         """
         grad = self.master.grad
         pieces = self.pieces(grad) if grad is not None else []
@@ -217,11 +220,6 @@ class FlatUnit:
         """The all-gather in flight, if any (read-only)."""
         return self._gathering
 
-    @property
-    def grads_per_backward(self) -> int:
-        """How many post-accumulate hook calls a backward brings: one per param and accumulator."""
-        return sum(max(1, len(seen)) for seen in self.accumulators)
-
     # -- gradients --------------------------------------------------------------------------
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """The unit's gradients as one padded flat buffer; ``-0.0`` where a parameter got none."""
@@ -243,8 +241,11 @@ class FlatUnit:
         return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, async_op=True), shard)
 
     def mark_unused(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Set ``unused`` from the reduced ``grad``: see :func:`missing_grads.mark_unused`."""
-        return mark_unused(self, grad)
+        """Set ``unused`` from the reduced ``grad``; return what the optimizer should step
+        (:func:`missing_grads.mark_unused`)."""
+        ranges = self.ranges(grad) if grad is not None else []
+        self.unused, grad = mark_unused(ranges, grad, self.no_grad_here)
+        return grad
 
     def master_grad_pieces(self) -> list[torch.Tensor | None]:
         """Stage 3: each param's piece of the master's gradient (what its ``grad`` shows at rest)."""

@@ -7,9 +7,9 @@ gradients that exist, divided by N. Flat shards make two things hard:
 
 1. **The ranks must still issue the same collectives, in the same order,** or they drift apart,
    abort or hang. The base reduces units in one fixed order and, when backward ends, makes a
-   rank join the reductions of the units it never ran (``force`` in ``base.issue_reductions``);
-   stage 3 walks the units in one order too, and :func:`walked_past` says when a skipped unit's
-   reduction is due during backward.
+   rank join the reductions of the units it never ran (``due`` in ``base.issue_reductions``);
+   stage 3 walks the units in one order too, and ``lockstep.UnitWalk.walked_past`` says when a
+   skipped unit's reduction is due during backward.
 2. **After the reduction every rank must know whether *any* rank used a parameter,** with no
    extra collective. The convention: when a unit packs its gradients, a parameter with no
    gradient here is sent as ``-0.0`` (:func:`send_missing`) and one with a gradient as
@@ -26,14 +26,10 @@ optimizer skips them (``per_param.py``).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardlab.engine import comm
-
-if TYPE_CHECKING:
-    from shardlab.engine.flat import FlatUnit
 
 
 def send_missing(out: torch.Tensor) -> None:
@@ -51,41 +47,40 @@ def is_missing(t: torch.Tensor) -> torch.Tensor:
     return (t == 0) & t.signbit()
 
 
-def find_unused(unit: FlatUnit, grad: torch.Tensor) -> list[int]:
-    """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them)."""
-    spans = [(i, a, b) for i, (a, b) in enumerate(unit.ranges(grad)) if b > a]
+def find_unused(ranges: list[tuple[int, int]], grad: torch.Tensor) -> list[int]:
+    """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them).
+
+    ``ranges`` says where each param lies in ``grad`` (``FlatUnit.ranges``). The rule is
+    ``is_missing(grad[a:b]).all()``; reading each part's first element first, all in one
+    tensor, is only a shortcut: a used param almost always fails there, so the whole part is
+    scanned only for the few that may be unused.
+
+    The ``.tolist()`` is a host sync, once per unit per backward, and it is meant: the answer
+    decides on the host which ``p.grad`` become None. It runs after every reduction has landed
+    (``base._finalize_backward``), so it waits for no collective and overlaps nothing.
+    """
+    spans = [(i, a, b) for i, (a, b) in enumerate(ranges) if b > a]
     if not spans:
         return []
     firsts = is_missing(grad[torch.tensor([a for _, a, _ in spans], device=grad.device)]).tolist()
     return [i for (i, a, b), first in zip(spans, firsts, strict=True) if first and bool(is_missing(grad[a:b]).all())]
 
 
-def mark_unused(unit: FlatUnit, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """Set ``unit.unused`` from the reduced ``grad`` (this rank's part); return what the optimizer
-    should step: ``grad``, or None when every param with elements here went unused."""
+def mark_unused(ranges: list[tuple[int, int]], grad: torch.Tensor | None,
+                no_grad_here: set[int]) -> tuple[list[int], torch.Tensor | None]:
+    """The unused params of a unit, from its reduced ``grad`` (this rank's part), and what the
+    optimizer should step: ``grad``, or None when every param with elements here went unused.
+
+    ``no_grad_here``: the params this rank gave no gradient when it packed them.
+    """
     if grad is None:
-        unit.unused = []
-        return None
-    unit.unused = find_unused(unit, grad)
-    ranges = unit.ranges(grad)
-    all_unused = bool(unit.unused) and len(unit.unused) == sum(b > a for a, b in ranges)
+        return [], None
+    unused = find_unused(ranges, grad)
+    all_unused = bool(unused) and len(unused) == sum(b > a for a, b in ranges)
     # A piece with no elements here cannot say whether another rank used its param: it counts
     # as unused (grad None) only if this rank gave it no gradient either.
-    unit.unused += [i for i, (a, b) in enumerate(ranges) if a == b and i in unit.no_grad_here]
-    return None if all_unused else grad
-
-
-def walked_past(unit: FlatUnit, entering: FlatUnit, root: FlatUnit | None) -> bool:
-    """Stage 3's backward walk is entering ``entering``: is ``unit``'s backward over on every rank?
-
-    Backward runs the units in reverse: once the walk reaches ``entering``, every unit
-    registered after the last one nested in it has had its backward, on the ranks that ran it;
-    a rank that skipped such a unit must reduce it now (with ``-0.0``), at the same point in its
-    sequence of collectives as the others. Two exceptions wait for the end of backward instead:
-    a unit run twice in this forward (its earlier use's gradients are still to come), and the
-    root (used first and last).
-    """
-    return unit.index > entering.last_index and unit.forward_calls < 2 and unit is not root
+    unused += [i for i, (a, b) in enumerate(ranges) if a == b and i in no_grad_here]
+    return unused, None if all_unused else grad
 
 
 def check_backend_keeps_sign(dtype: torch.dtype, device: torch.device) -> None:

@@ -39,10 +39,10 @@ class StageOptimizer(PerParamOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         events.set_phase("step")
-        events.emit("step_start")
+        events.emit(events.STEP_START)
         super().step(closure)
         self.engine.step()
-        events.emit("step_end")
+        events.emit(events.STEP_END)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)

@@ -28,7 +28,7 @@ class ZeRO1(DataParallel):
     shards_optimizer_state = True
     reduce_as_ready = False
 
-    def shard(self, unit: FlatUnit) -> torch.Tensor:
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
         """Only this rank's shard is optimized (a view in fp32, a copy when params are bf16)."""
         shard = unit.my_shard(unit.full)
         return shard.clone() if self.mixed else shard

@@ -28,9 +28,13 @@ import torch.distributed as dist
 from shardlab.engine import comm, events
 from shardlab.instruments.measured import Measured
 
+#: the event that closes each compute interval, and the interval's kind
+_ENDS = {events.FORWARD_DONE: events.FORWARD, events.BACKWARD_DONE: events.BACKWARD}
 
-class Trace:
-    """This rank's intervals (``local``) and, after the block, every rank's (``events``)."""
+
+class Timeline:
+    """What ``trace()`` records: this rank's intervals (``local``) and, after the block, every
+    rank's (``events``)."""
 
     def __init__(self):
         self.rank = dist.get_rank() if comm.dist_ready() else 0
@@ -50,23 +54,23 @@ class Trace:
 
     def on_event(self, name: str, f: dict) -> None:
         unit, t = f.get("unit"), f["time"]
-        if name == "comm_done":
+        if name == events.COMM_DONE:
             self._add("comm", f["kind"], unit, f["start"], f["end"], phase=f["phase"],
                       numel=f["numel"], dtype=str(f["dtype"]))
-        elif name in ("forward", "backward"):
+        elif name in (events.FORWARD, events.BACKWARD):
             self._open[(name, unit)] = t
-        elif name in ("forward_done", "backward_done"):
-            kind = name.removesuffix("_done")
+        elif name in _ENDS:
+            kind = _ENDS[name]
             start = self._open.pop((kind, unit), None)
             if start is not None:
                 self._add("compute", kind, unit, start, t, phase=f["phase"])
-            if name == "backward_done":
+            if name == events.BACKWARD_DONE:
                 self._add("compute", "backward_done", unit, t, t, phase=f["phase"])
-        elif name == "free":
+        elif name == events.FREE:
             self._add("compute", "free", unit, t, t, phase=f["phase"])
-        elif name == "step_start":
+        elif name == events.STEP_START:
             self._open[("step", None)] = t
-        elif name == "step_end":
+        elif name == events.STEP_END:
             self._add("compute", "step", None, self._open.pop(("step", None), t), t, phase="step")
 
     def gather(self) -> list[dict]:
@@ -102,7 +106,7 @@ def trace(gather: bool = True):
     ``gather=False`` the exit exchanges nothing and ``tr.events`` holds this rank's events only.
     If the block raises, nothing is exchanged, so a failing rank cannot hang the others.
     """
-    tr = Trace()
+    tr = Timeline()
     tr.start()
     with events.listen(tr.on_event):
         yield tr
