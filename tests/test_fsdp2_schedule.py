@@ -160,11 +160,11 @@ def test_the_printed_table_and_differences_read_the_records(run):
 
 
 def test_a_wire_column_appears_when_records_carry_wire_bytes(run):
-    """The printer's contract with the ledger: records with ``wire`` get a wire column (here the
+    """The printer's contract with the ledger: records with ``wire_bytes`` get a wire column (here the
     ring formula stands in for the measurement; the printer only adds what it is given)."""
     n, ranks = run
     ours, theirs = ranks[0]["ours"], ranks[0]["theirs"]
     assert "wire" not in side_by_side(ours, theirs)
-    wired = Schedule([dict(c, wire=c["sent"]) for c in ours.records], ours.stream, n)
+    wired = Schedule([dict(c, wire_bytes=c["sent"]) for c in ours.records], ours.stream, n)
     assert wired.wire() == sum(c["sent"] for c in ours.records)
     assert "wire KB" in side_by_side(wired, theirs)

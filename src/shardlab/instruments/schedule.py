@@ -55,9 +55,17 @@ class Schedule:
                    for r in self.calls(unit, kind))
 
     def wire(self, unit=None, kind=None) -> float | None:
-        """Measured wire bytes, if every record carries them (``wire_bytes``); else None."""
-        got = [r.get("wire_bytes") for r in self.calls(unit, kind)]
-        return sum(got) if got and None not in got else None
+        """Measured wire bytes, if every record carries its own (``wire_bytes``); else None.
+
+        A record whose call overlapped others (``overlapped`` > 0) shares the bytes written
+        meanwhile with them, so summing such records would count those bytes once per call: then
+        there is no honest per-unit figure, and the ledger's step total is the one to show.
+        """
+        calls = self.calls(unit, kind)
+        got = [r.get("wire_bytes") for r in calls]
+        if not got or any(not isinstance(g, (int, float)) for g in got) or any(r.get("overlapped", 0) for r in calls):
+            return None
+        return sum(got)
 
     def order(self, short=lambda u: u) -> str:
         """The stream as one line: ``AG root · AG blocks.0 · F root · ...``."""
