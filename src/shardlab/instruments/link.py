@@ -167,11 +167,11 @@ class LinkEmulator:
         return self._free_at, cost
 
     def __call__(self, name: str, fields: dict) -> None:
-        if name not in ("comm", "comm_done"):
+        if name not in (events.COMM, events.COMM_DONE):
             return
         key = (fields["kind"], fields["start"], fields.get("unit"))
         with self._lock:
-            if name == "comm":
+            if name == events.COMM:
                 self._finish[key] = self._book(fields)
                 return
             booked = self._finish.pop(key, None)

@@ -86,9 +86,9 @@ def record_shardlab():
     seen = _ShardLabRecorder()
 
     def on_event(name: str, f: dict) -> None:
-        if name == "comm":
+        if name == events.COMM:
             seen.unit, seen.phase = f["unit"], f["phase"]
-        elif name in ("forward", "backward", "free"):
+        elif name in (events.FORWARD, events.BACKWARD, events.FREE):
             seen.mark(name, f.get("unit"))
 
     with events.listen(on_event), seen:

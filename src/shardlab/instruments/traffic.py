@@ -107,7 +107,7 @@ class Ledger:
             self.shared[tuple(rows)] += delta
 
     def on_event(self, name: str, f: dict) -> None:
-        if name == "comm":
+        if name == events.COMM:
             self._advance()
             row = self.rows[(f["phase"], f["kind"])]
             ring = ring_bytes(f["kind"], f["numel"], f["world_size"], f["dtype"].itemsize)
@@ -121,7 +121,7 @@ class Ledger:
                 other["overlapped"] += 1
             self._in_flight.append(rec)
             self.records.append(rec)
-        elif name == "comm_done":
+        elif name == events.COMM_DONE:
             self._advance()
             self.rows[(f["phase"], f["kind"])]["seconds"] += f["end"] - f["start"]
             for rec in reversed(self._in_flight):  # the matching issue: same kind, unit and start
