@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         ds = deepspeed_estimate(params, gpus, 3, largest)
         print(f"ZeRO-3 + two gathered units of {_human(largest)} params (prefetch): {(totals['zero3'] + extra) / GB:.3f} GB")
         print(f"DeepSpeed's ZeRO-3 estimate (4L + 18Ψ/Nd, prints GiB as 'GB'): {ds / GIB:.2f} GiB")
-    print(f"Volume: the elements the paper counts, x {r.param_bytes} bytes. Ring GB per rank: what each rank "
-          f"sends in ring collectives, (N-1)/N x volume = {gpus - 1}/{gpus} x volume.")
+    print(f"Volume: the elements the paper counts, x {r.param_bytes} bytes. Ring GB per rank: a formula, what each rank "
+          f"would send in ring collectives (NCCL's on GPUs), (N-1)/N x volume = {gpus - 1}/{gpus} x volume.")
     print("Model states only: activations, gathered units and buffers come on top.")
     return 0
