@@ -4,8 +4,10 @@ A *run* is a plan (stage, units, options, batch) of the course GPT, trained a st
 with an instrument around it: :func:`peak` (memory by category over one step,
 ``track_memory``), :func:`accumulate` (the gradient bytes held between two micro-batches, and
 the ledger of the step), :func:`link_times` (step times on an emulated link, with the link time
-booked by the emulator). Every number they return was measured on this rank; the formulas to
-set beside them live in :mod:`shardlab.instruments.memory_math`.
+booked by the emulator, and one step's bytes on the wire). Every number they return was measured
+on this rank, except the ledger's ``ring_*`` bytes and ``formula_s``, which are the ring formula
+(tagged ``Formula``); the formulas to set beside the rest live in
+:mod:`shardlab.instruments.memory_math`.
 
 :func:`on_first` runs one of them on the first ``k`` ranks of the cluster alone, so that one
 notebook can compare 2 ranks with 4 without starting a second cluster.
@@ -74,7 +76,8 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     ``plan["sync_every_micro_batch"]`` False runs every micro-batch but the last inside
     ``model.no_sync()`` (as ``accelerate`` and FSDP's ``set_requires_gradient_sync(False)`` do).
     Returns ``grads_between`` (gradient bytes this rank holds after the first micro-batch),
-    the ledger of the whole step (``calls`` and ``ring_formula_bytes`` of reduce-scatters),
+    the ledger of the whole step (``reduce_scatters``: their calls; ``ring_formula_bytes``: the ring
+    formula's bytes of every collective; ``wire_bytes``: the bytes gloo measured on this rank's sockets),
     the weights after the step (``weights``: to check that both ways train alike) and ``psi``.
     """
     model, optimizer = build(plan)
@@ -93,7 +96,7 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     optimizer.zero_grad()
     return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
                 reduce_scatters=ledger.calls("reduce_scatter"),
-                ring_formula_bytes=ledger.ring_bytes(), weights=weights)
+                ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), weights=weights)
 
 
 def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
@@ -102,7 +105,10 @@ def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
     Returns ``{name: {"step_s": [...], "link_s": [...], "formula_s": s, "calls": n, "gathers": n,
     "units": n, "events": [...]}}``: the measured seconds of each step, the link time the
     emulator booked for its collectives, the same by the α-β ring formula from the ledger's
-    records, the collectives of one step, the plan's units, and that step's trace (``trace()``).
+    records, the collectives of one step, the plan's units, and that step's trace (``trace()``);
+    and that step's traffic: ``elements`` (the paper's volume, counted), ``ring_bytes`` (the ring
+    formula, all collectives), ``ring_rs`` (the same, reduce-scatters alone) and ``wire_bytes``
+    (measured on this rank's sockets, on the loopback).
     """
     runs = {name: build(plan) for name, plan in plans.items()}
     batch_plan = next(iter(plans.values()))
@@ -112,7 +118,8 @@ def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
         with count_comm() as ledger, trace() as tr:
             measure.train_step(model, optimizer, *batches[0])
         out[name] = dict(calls=ledger.calls(), gathers=ledger.calls("all_gather"),
-                         units=len(engine_of(model).units), events=tr.events,
+                         units=len(engine_of(model).units), events=tr.events, elements=ledger.elements(),
+                         ring_bytes=ledger.ring_bytes(), ring_rs=ledger.ring_bytes("reduce_scatter"), wire_bytes=ledger.wire_bytes(),
                          formula_s=measure.predicted_link_s(ledger.records, dist.get_world_size(), link))
     timed = measure.time_steps(runs, batches, warmup=1, link=link)
     for name in runs:
