@@ -8,6 +8,10 @@ such setting. ``torch`` lists the importable names a row uses, as dotted paths.
 The correspondences are close, not exact, and the notes say where: FSDP's
 ``reshard_after_forward=False`` and FSDP1's ``SHARD_GRAD_OP`` keep the gathered weights from
 forward to backward but still shard them between steps, while ZeRO-2 keeps whole weights.
+``prefetch=`` is ShardLab's argument, not an FSDP one. DeepSpeed's HSDP is MiCS; ZeRO++'s hpZ
+only adds an in-node copy of the weights for backward's gather. The CPU-offload settings move
+different things. FSDP1 is ``FullyShardedDataParallel`` (a flat parameter per wrapped module,
+as ShardLab's units); FSDP2 is ``fully_shard`` (per-parameter DTensors sharded on dim 0).
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import re
 
 STACKS = {
     "deepspeed": "DeepSpeed (JSON config)",
-    "fsdp2": "PyTorch FSDP2 (`fully_shard`)",
-    "fsdp1": "PyTorch FSDP1 / DDP",
+    "fsdp2": "PyTorch FSDP2 (`fully_shard`, per-parameter DTensor)",
+    "fsdp1": "PyTorch FSDP1 (`FullyShardedDataParallel`, flat parameter) / DDP",
     "accelerate": "Hugging Face Accelerate",
     "lightning": "Lightning (`Trainer(strategy=...)`)",
 }
@@ -26,6 +30,7 @@ DS = "https://www.deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-tra
 DS_BF16 = "https://www.deepspeed.ai/docs/config-json/#bfloat16-training-options"
 DS_ACT = "https://www.deepspeed.ai/docs/config-json/#activation-checkpointing"
 DS_ZPP = "https://www.deepspeed.ai/tutorials/zeropp/"
+DS_MICS = "https://github.com/deepspeedai/DeepSpeed/blob/master/deepspeed/runtime/zero/config.py"
 FSDP2 = "https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html"
 FSDP1 = "https://docs.pytorch.org/docs/stable/fsdp.html"
 DDP = "https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html"
@@ -78,9 +83,10 @@ ROWS = [
      "lightning": ('strategy="fsdp" or strategy="deepspeed_stage_3"', L_FSDP),
      "torch": ["torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel",
                "torch.distributed.fsdp.ShardingStrategy.FULL_SHARD"]},
-    {"shardlab": "prefetch=True",
+    {"shardlab": "prefetch=True (ShardLab's argument, not an FSDP one)",
      "deepspeed": ('"stage3_prefetch_bucket_size"', DS),
-     "fsdp2": ("on by default; set_modules_to_forward_prefetch / set_modules_to_backward_prefetch", FSDP2),
+     "fsdp2": ("no argument: implicit on GPU through CUDA streams, none on CPU; explicit: "
+               "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch", FSDP2),
      "fsdp1": ("backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True", FSDP1),
      "accelerate": ("fsdp_backward_prefetch: BACKWARD_PRE", ACC_FSDP),
      "lightning": None,
@@ -111,16 +117,19 @@ ROWS = [
      "lightning": ("FSDPStrategy(activation_checkpointing_policy={Block})", L_FSDP),
      "torch": ["torch.utils.checkpoint.checkpoint"]},
     {"shardlab": "(notebook 07) HSDP: shard in a node, replicate across",
-     "deepspeed": ('ZeRO++ hpZ: "zero_hpz_partition_size"', DS_ZPP),
+     "deepspeed": ('MiCS: "mics_shard_size". Not ZeRO++ hpZ ("zero_hpz_partition_size"): hpZ only keeps '
+                   "a second, in-node copy of the weights for backward's gather", DS_MICS),
      "fsdp2": ("fully_shard(block, mesh=init_device_mesh(\"cuda\", (replicas, gpus_per_node)))", FSDP2),
      "fsdp1": ("ShardingStrategy.HYBRID_SHARD", FSDP1),
      "accelerate": ("fsdp_sharding_strategy: HYBRID_SHARD", ACC_FSDP),
      "lightning": ('FSDPStrategy(sharding_strategy="HYBRID_SHARD")', L_FSDP),
      "torch": ["torch.distributed.device_mesh.init_device_mesh", "torch.distributed.fsdp.ShardingStrategy.HYBRID_SHARD"]},
     {"shardlab": "(notebook 07) CPU offload",
-     "deepspeed": ('"offload_optimizer": {"device": "cpu"}', DS),
-     "fsdp2": ("offload_policy=CPUOffloadPolicy()", FSDP2),
-     "fsdp1": ("cpu_offload=CPUOffload(offload_params=True)", FSDP1),
+     "deepspeed": ('"offload_optimizer": {"device": "cpu"}: optimizer state and its step on CPU, weights on GPU; '
+                   'closer to FSDP\'s: "offload_param" at stage 3', DS),
+     "fsdp2": ("offload_policy=CPUOffloadPolicy(): a different design, sharded weights, gradients and "
+               "optimizer state all on CPU, the optimizer step on CPU", FSDP2),
+     "fsdp1": ("cpu_offload=CPUOffload(offload_params=True): weights and gradients on CPU, as FSDP2", FSDP1),
      "accelerate": ("fsdp_offload_params: true", ACC_FSDP),
      "lightning": ('strategy="deepspeed_stage_2_offload"', L_DS),
      "torch": ["torch.distributed.fsdp.CPUOffloadPolicy", "torch.distributed.fsdp.CPUOffload"]},
