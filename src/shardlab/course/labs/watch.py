@@ -78,6 +78,17 @@ def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all
     return sum(round(share.get(k, (n - 1) / n) * numel * element_size) for k in kinds)
 
 
+def _no_hook_argument(method: str, args) -> None:
+    """``out.register_hook(unit.gather)``: autograd calls a tensor hook with the gradient."""
+    if args:
+        got = type(args[0]).__name__
+        raise Hint(f"unit.{method} was called with an argument (a {got}): did you register the method "
+                   f"itself as a hook? Autograd calls a tensor hook with the gradient, hook(grad), and "
+                   f"unit.{method} takes none. Wrap it: out.register_hook(lambda grad: unit.{method}())",
+                   "a hook gets the gradient as its argument: the lambda takes it and ignores it",
+                   mistake="method_as_hook")
+
+
 def gathered(units) -> int:
     """How many units hold their full weights now (a gather in flight counts: its memory exists)."""
     return sum(u.holds_full for u in units)
@@ -104,11 +115,13 @@ class Trace:
     def watch(self, unit: FlatUnit, *, forward_check=None) -> None:
         gather, free = unit.gather, unit.free
 
-        def traced_gather(*, async_op: bool = False):
+        def traced_gather(*args, async_op: bool = False):
+            _no_hook_argument("gather", args)
             gather(async_op=async_op)
             self.add("prefetch" if async_op else "gather", unit.name)
 
-        def traced_free():
+        def traced_free(*args):
+            _no_hook_argument("free", args)
             self.add("free", unit.name)  # before: the peak counts the unit that is being freed
             free()
 
