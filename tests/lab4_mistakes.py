@@ -93,7 +93,7 @@ def prepare_backward_permanent_hooks(unit, out):  # lab 3's re-armed countdown, 
         p.register_post_accumulate_grad_hook(hook)
 
 
-def prepare_backward_free_then_reduce(unit, out):  # correct: FSDP's own order
+def prepare_backward_free_then_reduce(unit, out):  # correct: PyTorch FSDP2's order
     out.register_hook(lambda grad: unit.gather())
     lab4.on_grads_ready(unit, lambda: (unit.free(), lab4.reduce_grads(unit)))
 
@@ -123,5 +123,5 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
 ON_THREE: dict = {}
 CORRECT = {
     "forward starts the gather, then waits": (FORWARD, forward_gathers_async_and_waits),
-    "free before reduce-scatter (FSDP's order)": (BACKWARD, prepare_backward_free_then_reduce),
+    "free before reduce-scatter (FSDP2's order)": (BACKWARD, prepare_backward_free_then_reduce),
 }
