@@ -59,6 +59,12 @@ def gather_interleaved(shard, numel, world_size):
     return full.view(world_size, -1).t().reshape(-1)[:numel]
 
 
+def gather_arguments_swapped(shard, numel, world_size):  # (input, output): the order reduce_scatter's full takes
+    full = torch.empty(world_size * shard.numel())
+    comm.all_gather(shard, full)
+    return full[:numel]
+
+
 def gather_forgot_the_collective(shard, numel, world_size):
     return shard
 
@@ -94,6 +100,12 @@ def mean_not_divided(grad, world_size):
     shard = torch.empty(grad.numel() // world_size)
     comm.reduce_scatter(shard, grad)
     return shard
+
+
+def mean_arguments_swapped(grad, world_size):  # full first, as in all_gather(full, shard)
+    shard = torch.empty(grad.numel() // world_size)
+    comm.reduce_scatter(grad, shard)
+    return shard / world_size
 
 
 def mean_divided_twice(grad, world_size):
@@ -159,6 +171,15 @@ def _rs_ag(grad, world_size, before, after, front=False):
     return full
 
 
+def all_reduce_reduces_its_own_shard(grad, world_size):  # pad_and_split's shard to mean_grad_shard
+    shard = _pad(grad, world_size).chunk(world_size)[dist.get_rank()]
+    mean = torch.empty(shard.numel() // world_size)   # mean_grad_shard, as written for task 3
+    comm.reduce_scatter(mean, shard)
+    full = torch.empty(world_size * mean.numel())      # gather_full, as written for task 2
+    comm.all_gather(full, mean / world_size)
+    return full[:grad.numel()]
+
+
 def all_reduce_not_divided(grad, world_size):
     return _rs_ag(grad, world_size, 1, 1)[:grad.numel()]
 
@@ -200,10 +221,12 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
+    "gather arguments swapped": (GATHER, gather_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "gather forgets the collective": (GATHER, gather_forgot_the_collective, "no_all_gather", "you returned one shard"),
     "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes", "do not fit"),
     "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
     "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "mean arguments swapped": (MEAN, mean_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "mean divided twice": (MEAN, mean_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "mean of the next rank's shard": (MEAN, mean_of_the_next_ranks_shard, "wrong_shard", "another rank's shard"),
     "mean by all-reduce and slice": (MEAN, mean_by_all_reduce_and_slice, "all_reduce_instead", "you all-reduced"),
@@ -212,6 +235,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "mean returns the full buffer": (MEAN, mean_returns_the_full_buffer, "full_size", "full-size gradient"),
     "all-reduce via comm.all_reduce": (ALL, all_reduce_with_comm_all_reduce, "all_reduce_instead", "you called all-reduce"),
     "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),
+    "all-reduce reduces its own shard": (ALL, all_reduce_reduces_its_own_shard, "reduced_a_shard",
+                                         "one rank's shard of the padded"),
     "all-reduce not divided": (ALL, all_reduce_not_divided, "not_divided", "too large: did you divide the SUM"),
     "all-reduce divided twice": (ALL, all_reduce_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "all-reduce keeps the padding": (ALL, all_reduce_keeps_padding, "kept_padding", "drop the padding"),

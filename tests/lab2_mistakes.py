@@ -37,7 +37,7 @@ def master_sliced_from_a_full_copy(flat, rank, world_size, make_optimizer):  # c
     return master, make_optimizer([master])
 
 
-def master_is_a_view_of_flat(flat, rank, world_size, make_optimizer):  # no clone
+def master_is_a_view_of_flat(flat, rank, world_size, make_optimizer):  # correct: ShardLab's own fp32 ZeRO1.shard
     s = flat.numel() // world_size
     master = torch.nn.Parameter(flat[rank * s:(rank + 1) * s])
     return master, make_optimizer([master])
@@ -64,6 +64,14 @@ def _mean_shard(grad, master, world_size):
 def step_forgets_the_all_gather(flat, grad, master, optimizer, world_size):
     master.grad = _mean_shard(grad, master, world_size)
     optimizer.step()
+
+
+def step_gathers_into_a_new_tensor(flat, grad, master, optimizer, world_size):  # rebinds the name
+    master.grad = _mean_shard(grad, master, world_size)
+    optimizer.step()
+    gathered = torch.empty_like(flat)
+    comm.all_gather(gathered, master.detach())
+    flat = gathered  # noqa: F841 (the mistake: the caller's flat never changes)
 
 
 def step_copies_only_its_own_shard(flat, grad, master, optimizer, world_size):
@@ -138,8 +146,9 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "shards in reverse": (SHARD, shards_in_reverse, "wrong_shard", "steps the wrong shard"),
     "master sliced from a full copy": (SHARD, master_sliced_from_a_full_copy, "master_keeps_full_copy",
                                        "stays alive as long as the master does"),
-    "master is a view of flat": (SHARD, master_is_a_view_of_flat, "master_is_a_view", "a view into flat"),
     "step forgets the all-gather": (STEP, step_forgets_the_all_gather, "no_all_gather", "did not change"),
+    "step gathers into a new tensor": (STEP, step_gathers_into_a_new_tensor, "gathered_not_in_place",
+                                       "Gather in place"),
     "step copies only its own shard": (STEP, step_copies_only_its_own_shard, "drift", "drift apart"),
     "step not divided": (STEP, step_not_divided, "not_divided", "too large: did you divide the SUM"),
     "step not divided, then zero_grad": (STEP, step_not_divided_then_zero_grad, "not_divided", "too large"),
@@ -154,5 +163,6 @@ ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, 
 }
 CORRECT = {
     "shard by chunk": (SHARD, shard_optimizer_with_chunk),
+    "master is a view of flat (the engine's fp32 ZeRO-1)": (SHARD, master_is_a_view_of_flat),
     "step through torch.distributed directly": (STEP, step_with_torch_directly),
 }

@@ -24,6 +24,15 @@ def reduce_unit_keeps_full_grads(unit):
     return shard / unit.world_size
 
 
+def reduce_unit_zeroes_full_grads(unit):  # "freed" with zero_(): the memory stays allocated
+    full = unit.pack_grads(torch.float32)
+    for p in unit.params:
+        p.grad.zero_()
+    shard = torch.empty(unit.shard_numel)
+    comm.reduce_scatter(shard, full)
+    return shard / unit.world_size
+
+
 def reduce_unit_slice_of_all_reduce(unit):
     full = unit.pack_grads(torch.float32)
     unit.set_param_grads(None)
@@ -153,7 +162,8 @@ def when_ready_counts_down_from_a_set(params, on_ready):  # correct: a set of th
 REDUCE, READY = "lab3.reduce_unit", "lab3.when_ready"
 WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
     "SUM not divided": (REDUCE, reduce_unit_sum_not_divided, "not_divided", "too large"),
-    "full gradient kept alive": (REDUCE, reduce_unit_keeps_full_grads, "full_grads_alive", "full gradient is still alive"),
+    "full gradient kept alive": (REDUCE, reduce_unit_keeps_full_grads, "full_grads_alive", "double reduction"),
+    "full gradient zeroed, not freed": (REDUCE, reduce_unit_zeroes_full_grads, "full_grads_alive", "you zeroed it"),
     "shard is a view of the all-reduced buffer": (REDUCE, reduce_unit_slice_of_all_reduce, "shard_is_a_view", "view into a"),
     "every rank keeps rank 0's shard": (REDUCE, reduce_unit_rank0_shard, "rank0_shard", "holds rank 0's shard"),
     "freed before packing": (REDUCE, reduce_unit_frees_before_packing, "freed_before_packing", "were gone when you packed"),

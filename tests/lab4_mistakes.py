@@ -58,6 +58,11 @@ def prepare_backward_frees_at_first_gradient(unit, out):
     unit.params[-1].register_post_accumulate_grad_hook(lambda p: (lab4.reduce_grads(unit), unit.free()))
 
 
+def prepare_backward_method_as_hook(unit, out):  # autograd calls it with the gradient
+    out.register_hook(unit.gather)
+    lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
+
+
 def prepare_backward_never_frees(unit, out):
     out.register_hook(lambda grad: unit.gather())
     lab4.on_grads_ready(unit, lambda: lab4.reduce_grads(unit))
@@ -88,7 +93,7 @@ def prepare_backward_permanent_hooks(unit, out):  # lab 3's re-armed countdown, 
         p.register_post_accumulate_grad_hook(hook)
 
 
-def prepare_backward_free_then_reduce(unit, out):  # correct: FSDP's own order
+def prepare_backward_free_then_reduce(unit, out):  # correct: PyTorch FSDP2's order
     out.register_hook(lambda grad: unit.gather())
     lab4.on_grads_ready(unit, lambda: (unit.free(), lab4.reduce_grads(unit)))
 
@@ -105,6 +110,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
                                      "blocks.3's backward ran on freed weights"),
     "freed before its backward finished": (BACKWARD, prepare_backward_frees_at_first_gradient, "freed_too_early",
                                            "was freed while 5 of its 6 gradients were still to come"),
+    "the method itself as the hook": (BACKWARD, prepare_backward_method_as_hook, "method_as_hook",
+                                      "Wrap it: out.register_hook(lambda grad: unit.gather())"),
     "never freed after backward": (BACKWARD, prepare_backward_never_frees, "not_freed_after_backward",
                                    "after backward, blocks.0 still holds its full weights"),
     "gradients never reduced": (BACKWARD, prepare_backward_no_reduce, "no_reduce", "has no gradient shard"),
@@ -116,5 +123,5 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
 ON_THREE: dict = {}
 CORRECT = {
     "forward starts the gather, then waits": (FORWARD, forward_gathers_async_and_waits),
-    "free before reduce-scatter (FSDP's order)": (BACKWARD, prepare_backward_free_then_reduce),
+    "free before reduce-scatter (FSDP2's order)": (BACKWARD, prepare_backward_free_then_reduce),
 }

@@ -35,6 +35,16 @@ def forward_prefetch_never_waits(units, x):
     return x
 
 
+def forward_prefetch_frees_before_running(units, x):  # free moved above the compute
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        unit.free()
+        x = unit.module(x)
+    return x
+
+
 def forward_prefetch_never_frees(units, x):
     for i, unit in enumerate(units):
         unit.gather()
@@ -131,6 +141,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "waits for the prefetch at once": (FORWARD, forward_prefetch_waits_at_once, "waited_at_once", "so it hid nothing"),
     "uses a unit before its gather landed": (FORWARD, forward_prefetch_never_waits, "used_in_flight",
                                              "while its prefetched gather was still in flight"),
+    "frees before the unit runs": (FORWARD, forward_prefetch_frees_before_running, "freed_before_forward",
+                                   "blocks.0's forward ran after you freed it"),
     "never frees": (FORWARD, forward_prefetch_never_frees, "not_freed", "still hold full weights at the end"),
     "prefetch after the compute": (FORWARD, forward_prefetch_after_compute, "no_overlap", "nothing overlaps"),
     "prefetch two ahead": (FORWARD, forward_prefetch_two_ahead, "too_many", "3 units held their full weights"),

@@ -128,19 +128,21 @@ def check_shard_optimizer(fn) -> str:
                    f"[{rank * shard_numel}:{(rank + 1) * shard_numel}]. Rank r owns the r-th "
                    "contiguous shard", SHARD, mistake="wrong_shard")
     held = master.untyped_storage().nbytes()
-    if master.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
-        raise Hint("your master is a view into flat, not a copy of the shard: the optimizer would write "
-                   "into the weights the all-gather reads from, and the shard is not this rank's own "
-                   "memory. Copy it", "a slice of flat shares its memory: .clone() it", mistake="master_is_a_view")
-    if held > shard_numel * master.element_size():
+    # A view of flat's own shard is correct: it is ShardLab's fp32 ZeRO1 (engine/zero1.py, ZeRO1.shard).
+    # The optimizer updates those elements of flat in place, and the all-gather writes the same values back.
+    view = master.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+    if not view and held > shard_numel * master.element_size():
         raise Hint(f"your master is a slice of a {held // master.element_size()}-element copy, which stays "
                    f"alive as long as the master does ({held} B, not {shard_numel * master.element_size()} B): "
                    "slice first, then copy", "order matters: slice, then .clone()", mistake="master_keeps_full_copy")
+    own_bytes = 0 if view else held
     got = _measure(master, optimizer)
     if got * n != full:
         raise Hint(f"your optimizer holds {got} B of state on this rank; 1/{n} of stage 0's {full} B "
                    f"is {full // n} B", mistake="state_bytes")
-    return (f"each rank steps its own {shard_numel}-element shard, in {held} B of its own; Adam's moments "
+    where = ("a view of flat's shard, 0 B of its own (ShardLab's fp32 ZeRO-1 does the same)" if view
+             else f"in {own_bytes} B of its own")
+    return (f"each rank steps its own {shard_numel}-element shard, {where}; Adam's moments "
             f"measured: {got} B per rank = 1/{n} of stage 0's {full} B")
 
 
@@ -173,14 +175,14 @@ def check_zero1_step(fn) -> str:
         comm.all_gather(everyone, flat.detach().clone())
         if problem is None:
             problem = _diagnose(flat, before, master, master_before, ref.detach(), everyone.view(n, -1),
-                                mean, rank, n, step)
+                                mean, rank, n, step, seen.kinds())
     if problem is not None:
         raise problem
     want = ["reduce_scatter", "all_gather"]
     for step, seen in enumerate(per_step, 1):
         if "all_reduce" in seen.kinds():
             raise Hint(f"the weights are right, but step {step} all-reduced: ZeRO-1 reduce-scatters, so each "
-                       f"rank receives only its shard ({seen.sent():,} B sent per rank, the lab's step "
+                       f"rank receives only its shard (ring formula: {seen.sent():,} B per rank, the lab's step "
                        f"{traffic(flat.numel(), 4, n, want):,} B)", "the gradient a rank steps with is only "
                        "its shard: which collective delivers just that?", mistake="all_reduce_instead")
         if sorted(seen.kinds()) != sorted(want):
@@ -189,10 +191,10 @@ def check_zero1_step(fn) -> str:
                        "is one reduce-scatter and one all-gather", mistake="collectives")
     return (f"{STEPS} ZeRO-1 steps on {n} ranks match stage 0 (SGD with momentum on the whole buffer); "
             f"every rank holds the same full weights; each stepped only its {s}-element shard, with one "
-            f"reduce-scatter and one all-gather a step ({per_step[0].sent():,} B sent per rank)")
+            f"reduce-scatter and one all-gather a step ({per_step[0].sent():,} B per rank by the ring formula)")
 
 
-def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n, step) -> Hint | None:
+def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n, step, kinds) -> Hint | None:
     """The first thing wrong after ``step``, as a Hint; None when it matches stage 0."""
     s = flat.numel() // n
     own = slice(rank * s, (rank + 1) * s)
@@ -215,6 +217,12 @@ def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n,
         return Hint(DRIFT, GATHER, mistake="drift")
     if torch.allclose(flat, ref, atol=1e-5):
         return None
+    if torch.equal(flat, before) and "all_gather" in kinds:
+        return Hint("you all-gathered, but not into the flat you were given: the full weights did not change. "
+                    "A new tensor (flat = ..., or torch.empty for the output) rebinds a local name only; the "
+                    "caller's flat is untouched. Gather in place: comm.all_gather(flat, master.detach())",
+                    "all_gather's first argument is the buffer it fills: pass flat itself",
+                    mistake="gathered_not_in_place")
     if torch.equal(flat, before):
         return Hint("the full weights did not change: after optimizer.step(), all-gather every "
                     "rank's updated shard into flat", GATHER, mistake="no_all_gather")

@@ -77,10 +77,15 @@ def check_reduce_unit(fn) -> str:
                    mistake="wrong_values")
     alive = [i for i, p in enumerate(unit.params) if p.grad is not None]
     if alive:
+        if not any(unit.params[i].grad.any() for i in alive):  # zero_() keeps the memory, values gone
+            why = ("you zeroed it (zero_()), which keeps every byte of it allocated. Set it to None once "
+                   "packed: only then is its memory freed")
+        else:
+            why = ("Set it to None once packed: otherwise no memory is saved, and the next backward adds "
+                   "to it and reduces it again (double reduction)")
         raise Hint(f"the full gradient is still alive: p.grad of {len(alive)} of the unit's "
-                   f"{len(unit.params)} parameters still holds it. Set it to None once packed: otherwise "
-                   "no memory is saved, and the next backward adds to it and reduces it again "
-                   "(double reduction)", "what still points at the full gradients after you packed them?",
+                   f"{len(unit.params)} parameters still holds it; {why}",
+                   "what still points at the full gradients after you packed them?",
                    mistake="full_grads_alive")
     held = got.untyped_storage().nbytes()
     if held > unit.shard_numel * got.element_size():
@@ -89,7 +94,7 @@ def check_reduce_unit(fn) -> str:
                    "unit.shard_numel elements", mistake="shard_is_a_view")
     if "all_reduce" in seen.kinds():
         raise Hint("the values are right, but you all-reduced the whole gradient and kept a piece: a "
-                   f"reduce-scatter sends each rank only its shard of the sum ({seen.sent():,} B sent per rank "
+                   f"reduce-scatter sends each rank only its shard of the sum (ring formula: {seen.sent():,} B per rank "
                    f"vs {traffic(unit.padded_numel, 4, n, ['reduce_scatter']):,} B)", mistake="all_reduce_instead")
     if seen.kinds() != ["reduce_scatter"]:
         raise Hint(f"the values are right, but your collectives were: {', '.join(seen.kinds()) or 'none'}; "

@@ -23,7 +23,7 @@ STEPS = 3
 MOST = 2  # units gathered at once in backward: the one running and the one whose gradients are landing
 CYCLE_FORWARD = ["gather", "forward", "free"]
 CYCLE = ["gather", "forward", "free", "gather", "backward", "reduce_scatter", "free"]
-FREE_FIRST = ["gather", "forward", "free", "gather", "backward", "free", "reduce_scatter"]  # FSDP's own order
+FREE_FIRST = ["gather", "forward", "free", "gather", "backward", "free", "reduce_scatter"]  # PyTorch FSDP2's order (fully_shard frees, then reduce-scatters)
 AFTER_BACKWARD = ("once all the unit's gradients are in (lab4.on_grads_ready), two things remain to do: "
                   "reduce them (lab4.reduce_grads) and give the weights back")
 GATHER_AGAIN = "out.register_hook(fn) runs fn when backward reaches this unit's output: the moment to borrow"

@@ -25,12 +25,21 @@ MOST = 2  # units gathered at once: the one running and the next one
 STEPS = 3  # training steps in stage 3: the engine's state carries over
 
 
-def _not_in_flight(unit) -> None:
+def _forward_check(trace):
+    return lambda unit: _not_in_flight(unit, trace)
+
+
+def _not_in_flight(unit, trace) -> None:
     if unit.gathering is not None:
         raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
                    "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)",
                    "a started gather is finished by a plain unit.gather() on the same unit", mistake="used_in_flight")
     if not unit.holds_full:
+        if trace.of(unit.name, ("gather", "prefetch")):
+            raise Hint(f"{unit.name}'s forward ran after you freed it: it was gathered, then freed before its "
+                       "forward computed on the weights. Free a unit only after unit.module(x) has run",
+                       "look at the order of unit.free() and unit.module(x) in your loop",
+                       mistake="freed_before_forward")
         raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first",
                    mistake="never_gathered")
 
@@ -48,7 +57,7 @@ def check_forward_prefetch(fn) -> str:
     units = lab_model.flat_units(lab_model.make_model(), sharded=True)
     trace = watch.Trace(units)
     for u in units:
-        trace.watch(u, forward_check=_not_in_flight)
+        trace.watch(u, forward_check=_forward_check(trace))
     x, _ = lab_model.batch(rank, 0)
     try:
         with trace.listen():

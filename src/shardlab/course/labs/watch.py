@@ -24,7 +24,10 @@ from shardlab.instruments.collectives import Call, Recorder, numel_of
 SIZES = ("your {kind} got buffers that do not fit: {got}. {rule}. Are all your shards the same "
          "size, i.e. did you pad to a multiple of the world size?")
 
-Collective = Call  # one recorded collective: kind, numel (of the full buffer), sent (ring bytes), ...
+Collective = Call  # one recorded collective: kind, numel (of the full buffer), sent (ring bytes: a formula), ...
+SWAPPED = ("your {kind}'s arguments look swapped: its output has {out} elements and its input {inp}, on "
+           "{n} ranks. Both collectives take (output, input): comm.reduce_scatter(shard, full) writes each "
+           "rank's shard of the sum, comm.all_gather(full, shard) writes the full buffer")
 
 
 class Collectives(Recorder):
@@ -32,12 +35,30 @@ class Collectives(Recorder):
 
     The instruments' dispatcher :class:`~shardlab.instruments.collectives.Recorder`, which also
     refuses, with a hint in the lab's words, the buffers gloo would abort the process on.
+    ``seen.sent()`` is the ring formula's bytes, (N-1)/N x volume x element size, not bytes
+    measured on the wire. ``reduce_full``: the padded gradient's length the task reduce-scatters,
+    so that a reduce-scatter of one shard of it is named as that (it fits on 4 ranks, not on 3).
     """
+
+    def __init__(self, reduce_full: int | None = None):
+        super().__init__()
+        self.reduce_full = reduce_full
 
     def check(self, kind: str, full, part) -> None:
         if kind not in ("all_gather", "reduce_scatter"):
             return
         n = dist.get_world_size()
+        if kind == "reduce_scatter" and self.reduce_full and n > 1 \
+                and numel_of(full) == self.reduce_full // n != self.reduce_full:
+            raise Hint(f"your reduce-scatter got {numel_of(full)} elements, one rank's shard of the padded "
+                       f"{self.reduce_full}-element gradient: mean_grad_shard takes the whole padded "
+                       "gradient and hands back this rank's shard; do not split it first",
+                       "pad, then pass the whole padded tensor (torch.cat of the shards) to the reduce-scatter",
+                       mistake="reduced_a_shard", broken=True)
+        if n > 1 and numel_of(full) and numel_of(part) == n * numel_of(full):
+            out, inp = (full, part) if kind == "all_gather" else (part, full)
+            raise Hint(SWAPPED.format(kind=kind.replace("_", "-"), out=numel_of(out), inp=numel_of(inp), n=n),
+                       mistake="swapped_arguments", broken=True)
         if numel_of(full) != n * numel_of(part):
             rule = ("all-gather fills full (world_size x shard elements) with every rank's shard"
                     if kind == "all_gather" else
@@ -51,9 +72,21 @@ class Collectives(Recorder):
 
 
 def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all_gather")) -> int:
-    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the lab's formula."""
+    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the ring formula
+    (what NCCL's rings send; gloo's reduce-scatter puts twice this on the wire, PHASE2 / docs/instruments.md)."""
     share = {"all_reduce": 2 * (n - 1) / n}
     return sum(round(share.get(k, (n - 1) / n) * numel * element_size) for k in kinds)
+
+
+def _no_hook_argument(method: str, args) -> None:
+    """``out.register_hook(unit.gather)``: autograd calls a tensor hook with the gradient."""
+    if args:
+        got = type(args[0]).__name__
+        raise Hint(f"unit.{method} was called with an argument (a {got}): did you register the method "
+                   f"itself as a hook? Autograd calls a tensor hook with the gradient, hook(grad), and "
+                   f"unit.{method} takes none. Wrap it: out.register_hook(lambda grad: unit.{method}())",
+                   "a hook gets the gradient as its argument: the lambda takes it and ignores it",
+                   mistake="method_as_hook")
 
 
 def gathered(units) -> int:
@@ -82,11 +115,13 @@ class Trace:
     def watch(self, unit: FlatUnit, *, forward_check=None) -> None:
         gather, free = unit.gather, unit.free
 
-        def traced_gather(*, async_op: bool = False):
+        def traced_gather(*args, async_op: bool = False):
+            _no_hook_argument("gather", args)
             gather(async_op=async_op)
             self.add("prefetch" if async_op else "gather", unit.name)
 
-        def traced_free():
+        def traced_free(*args):
+            _no_hook_argument("free", args)
             self.add("free", unit.name)  # before: the peak counts the unit that is being freed
             free()
 
