@@ -20,15 +20,16 @@ from shardlab.course.labs.tasks import Hint
 from shardlab.engine import events
 from shardlab.engine.flat import FlatUnit
 from shardlab.instruments.collectives import Call, Recorder, numel_of
+from shardlab.instruments.traffic import ring_bytes
 
 SIZES = ("your {kind} got buffers that do not fit: {got}. {rule}. Are all your shards the same "
          "size, i.e. did you pad to a multiple of the world size?")
 
-Collective = Call  # one recorded collective: kind, numel (of the full buffer), sent (ring bytes), ...
+Collective = Call  # one recorded collective: kind, numel (of the full buffer), ring_bytes (formula), ...
 
 
 class Collectives(Recorder):
-    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.sent()``.
+    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.ring_bytes()``.
 
     The instruments' dispatcher :class:`~shardlab.instruments.collectives.Recorder`, which also
     refuses, with a hint in the lab's words, the buffers gloo would abort the process on.
@@ -51,9 +52,9 @@ class Collectives(Recorder):
 
 
 def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all_gather")) -> int:
-    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the lab's formula."""
-    share = {"all_reduce": 2 * (n - 1) / n}
-    return sum(round(share.get(k, (n - 1) / n) * numel * element_size) for k in kinds)
+    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the ledger's
+    formula (``traffic.ring_bytes``), as each recorded ``Call.ring_bytes`` counts it."""
+    return sum(round(ring_bytes(k, numel, n, element_size)) for k in kinds)
 
 
 def gathered(units) -> int:
