@@ -179,3 +179,33 @@ def test_gpu_collectives_and_no_gloo_say_unavailable_too():
     with wire.count_wire() as w:
         pass
     assert "no gloo threads" in w.bytes.reason
+
+
+def test_a_schedule_of_overlapping_or_uncounted_calls_shows_no_made_up_wire(monkeypatch):
+    """Schedule.wire sums only calls that did not overlap (H1: summing 30 + 25 said 55 where 40 were
+    written), and says ``unavail.`` where the machine cannot count (no crash in the printer)."""
+    from shardlab.instruments.schedule import Schedule, side_by_side
+
+    ledger = Ledger(ScriptedWire([0, 0, 10, 30, 35, 40]))
+    for name, fields in (_event("comm", "all_gather", "backward", 1.0),
+                         _event("comm", "reduce_scatter", "backward", 2.0),
+                         _event("comm_done", "all_gather", "backward", 1.0, end=3.0),
+                         _event("comm_done", "reduce_scatter", "backward", 2.0, end=4.0)):
+        ledger.on_event(name, fields)
+    ledger.close()
+    overlapped = Schedule(ledger.records, [], 2)
+    assert overlapped.wire() is None and ledger.wire_bytes() == 40
+    alone = Ledger(ScriptedWire([0, 0, 10, 10]))
+    for name, fields in (_event("comm", "all_gather", "backward", 1.0),
+                         _event("comm_done", "all_gather", "backward", 1.0, end=2.0)):
+        alone.on_event(name, fields)
+    alone.close()
+    assert Schedule(alone.records, [], 2).wire() == alone.wire_bytes() == 10
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with shardlab.count_comm() as blind:
+        events.emit("comm", **_event("comm", "all_gather", "backward", 1.0)[1])
+        events.emit("comm_done", **_event("comm", "all_gather", "backward", 1.0, end=2.0)[1])
+    uncounted = Schedule(blind.records, [], 2)
+    assert isinstance(uncounted.wire(), wire.Unavailable)
+    table = side_by_side(uncounted, Schedule(alone.records, [], 2))
+    assert "unavail." in table and "wire KB" in table
