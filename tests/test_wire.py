@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 
 import pytest
 import torch
 from instrument_workers import wire_against_tcp
+from support import slowdown
 
 import shardlab
 from shardlab.engine import events
@@ -209,3 +211,34 @@ def test_a_schedule_of_overlapping_or_uncounted_calls_shows_no_made_up_wire(monk
     assert isinstance(uncounted.wire(), wire.Unavailable)
     table = side_by_side(uncounted, Schedule(alone.records, [], 2))
     assert "unavail." in table and "wire KB" in table
+
+
+@pytest.mark.skipif(wire.unavailable_reason() is not None, reason="needs Linux's per-thread io counters")
+def test_a_thread_that_names_itself_gloo_after_a_scan_is_still_counted():
+    """c10d names its worker after the thread starts; a scan in between must not file it as not gloo's."""
+    import threading
+
+    renamed, written, scanned, read = (threading.Event() for _ in range(4))
+
+    def worker():
+        scanned.wait(slowdown(30))  # the meter sees this thread under its inherited name first
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write("pt_gloo_runloop")
+        renamed.set()
+        with open(os.devnull, "wb", buffering=0) as sink:
+            sink.write(b"x" * 100_000)
+        written.set()
+        read.wait(slowdown(30))  # alive until the meter has read it, as a gloo worker is
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    meter = wire.GlooWire()
+    try:
+        before = meter.read()
+        scanned.set()
+        assert written.wait(slowdown(30)) and renamed.is_set()
+        assert meter.read() - before >= 100_000 and meter.threads_seen >= 1
+    finally:
+        read.set()
+        meter.close()
+        thread.join(slowdown(30))
