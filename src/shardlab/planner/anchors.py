@@ -53,10 +53,10 @@ def _backward_bytes_per_param(plan: Plan, param_bytes: int) -> float:
     return reduce + (param_bytes if row.shards_params else 0)  # ZeRO-3 regathers every unit in backward
 
 
-def knee(model_tokens: int, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> Knee:
+def knee(tokens_per_micro_batch: int, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> Knee:
     """The planner's knee for ``plan`` on ``cluster``, beside the book's figure (see the module docstring).
 
-    ``model_tokens``: the tokens of one micro-batch (micro-batch × sequence).
+    ``tokens_per_micro_batch``: the tokens of one micro-batch (micro-batch × sequence).
     """
     shard, _ = groups(cluster, plan)
     n = sharding_degree(plan, cluster.gpus)
@@ -71,8 +71,8 @@ def knee(model_tokens: int, cluster: GPUCluster, plan: Plan, *, fraction: float 
     if not plan.row.reduce_as_ready:  # ZeRO-1: nothing is reduced while backward runs
         formula = (f"none: {plan.stage} reduces after the whole backward (stages.reduce_as_ready is False, "
                    "as in the engine), so no backward compute hides its reduce-scatter at any batch")
-        return Knee(math.inf, formula, model_tokens, book, span)
-    return Knee(tokens, formula, model_tokens, book, span)
+        return Knee(math.inf, formula, tokens_per_micro_batch, book, span)
+    return Knee(tokens, formula, tokens_per_micro_batch, book, span)
 
 
 @dataclass(frozen=True)
