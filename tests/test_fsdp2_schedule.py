@@ -165,6 +165,6 @@ def test_a_wire_column_appears_when_records_carry_wire_bytes(run):
     n, ranks = run
     ours, theirs = ranks[0]["ours"], ranks[0]["theirs"]
     assert "wire" not in side_by_side(ours, theirs)
-    wired = Schedule([dict(c, wire_bytes=c["sent"]) for c in ours.records], ours.stream, n)
-    assert wired.wire() == sum(c["sent"] for c in ours.records)
+    wired = Schedule([dict(c, wire_bytes=c["ring_bytes"]) for c in ours.records], ours.stream, n)
+    assert wired.wire() == sum(c["ring_bytes"] for c in ours.records)
     assert "wire KB" in side_by_side(wired, theirs)

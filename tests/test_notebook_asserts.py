@@ -8,9 +8,13 @@ The check reads each code cell (``ast``; IPython magics dropped) and runs nothin
 2. **one comparison has the same expression on both sides** (AST-equal: ``f(x) == f(x)``, the
    same formula called with the same arguments);
 3. **both sides of one comparison are formula-only**: built from literals, the formula modules
-   (``FORMULA_MODULES``: ``memory_math``, ``calculator``, ``pm``...), builtins, and names the
-   notebook assigned from such expressions only (followed through assignments, ``for`` targets
-   and ``x[k] = ...``). ``seven_b = calculator.memory_calculator(7e9, ...)`` then
+   (``FORMULA_PATHS``: ``shardlab.instruments.memory_math``, ``shardlab.planner`` and its
+   submodules, ``shardlab.course.calculator``...), decided by the module an import names, not
+   by the alias it binds (``import ... memory_math as mm``, ``from shardlab.planner import step``
+   and ``from ...memory_math import model_state_bytes`` are all formula), builtins, and names the
+   notebook assigned from such expressions only (followed through assignments, ``for`` targets,
+   comprehensions, whose own loop names are local, and ``x[k] = ...``). Rebinding a name to a
+   formula-only value makes it formula again; ``x[k] = ...`` never clears a measured ``x``. ``seven_b = calculator.memory_calculator(7e9, ...)`` then
    ``assert seven_b.stages["ddp"].total == 112e9`` is arithmetic checked against itself; a
    value read off the ranks (``cluster.pull``, ``cluster.run``, an instrument) is never
    formula-only, so ``assert measured == memory_math.comm_elements(key, psi)`` passes.
@@ -34,7 +38,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 LABS = sorted((ROOT / "labs").glob("*.ipynb")) + sorted((ROOT / "labs" / "solutions").glob("*.ipynb"))
-FORMULA_MODULES = {"memory_math", "calculator", "parallelism_math", "pm", "planner", "pp", "math"}
+#: Modules whose every name is a formula; an import is matched by the path it names.
+FORMULA_PATHS = ("math", "shardlab.memory_math", "shardlab.instruments.memory_math",
+                 "shardlab.instruments.parallelism_math", "shardlab.instruments.stages",
+                 "shardlab.planner", "shardlab.course.calculator")
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 NEUTRAL = set(dir(builtins))
 
 
@@ -49,6 +57,30 @@ def code_cells(nb: dict) -> list[str]:
 
 def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _is_formula_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in FORMULA_PATHS)
+
+
+def _dotted(node: ast.AST) -> tuple[ast.Name, list[str]] | None:
+    """``a.b.c`` as (the Name ``a``, ["b", "c"]); None when the chain does not start at a name."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.insert(0, node.attr)
+        node = node.value
+    return (node, attrs) if isinstance(node, ast.Name) else None
+
+
+def _rebound(target: ast.AST) -> set[str]:
+    """Names a target binds whole (``a``, ``a, b``), not those it updates (``x[k]``, ``x.y``)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_rebound(t) for t in target.elts)) if target.elts else set()
+    if isinstance(target, ast.Starred):
+        return _rebound(target.value)
+    return set()
 
 
 def _bound(target: ast.AST) -> set[str]:
@@ -69,21 +101,35 @@ class _Reader(ast.NodeVisitor):
 
     def __init__(self):
         self.formula: set[str] = set()
-        self.tainted: set[str] = set()  # once bound to something measured, a name stays so
+        self.tainted: set[str] = set()  # bound to something measured (until rebound to a formula)
+        self.modules: dict[str, str] = {}  # name -> the module path an import bound it to
         self.bad: list[str] = []
 
     def formula_only(self, node: ast.AST, local: dict | None = None) -> bool:
         """Whether ``node`` is built from literals, formula modules and formula-only names;
-        ``local``: names a comprehension binds, each True when its iterable is formula-only."""
-        local = local or {}
-        return all(local[n] if n in local else n in FORMULA_MODULES or n in NEUTRAL and n not in self.tainted
-                   or n in self.formula for n in _names(node))
+        ``local``: names a comprehension binds, each True when its iterable is formula-only.
+        A comprehension inside ``node`` binds its own loop names the same way."""
+        local = dict(local or {})
+        for comp in (n for n in ast.walk(node) if isinstance(n, COMPREHENSIONS)):
+            for gen in comp.generators:
+                local.update(dict.fromkeys(_bound(gen.target), self.formula_only(gen.iter, local)))
+        reached = set()  # ``shardlab.planner.x`` after ``import shardlab``: the root is formula here
+        for n in ast.walk(node):
+            chain = _dotted(n) if isinstance(n, ast.Attribute) else None
+            if chain and chain[0].id in self.modules and chain[0].id not in local:
+                if _is_formula_path(".".join([self.modules[chain[0].id], *chain[1]])):
+                    reached.add(id(chain[0]))
+        return all(id(n) in reached or (local[n.id] if n.id in local else n.id in self.formula
+                                         or n.id in NEUTRAL and n.id not in self.tainted)
+                   for n in ast.walk(node) if isinstance(n, ast.Name))
 
-    def _bind(self, targets, value, own: set[str] = frozenset()) -> None:
+    def _bind(self, targets, value) -> None:
         names = set().union(*(_bound(t) for t in targets))
-        # a comprehension's own loop names are local: read the value without them
-        if value is not None and self.formula_only(value) and not (names & self.tainted):
-            self.formula |= names
+        whole = set().union(*(_rebound(t) for t in targets))
+        if value is not None and self.formula_only(value):
+            # a whole rebinding clears a name's past; an update (x[k] = ...) keeps a measured x
+            self.tainted -= whole
+            self.formula |= names - self.tainted
         else:
             self.formula -= names
             self.tainted |= names
@@ -106,13 +152,24 @@ class _Reader(ast.NodeVisitor):
         self.formula -= {node.name}
         self.tainted.add(node.name)
 
-    def visit_Import(self, node):
-        for alias in node.names:
-            name = (alias.asname or alias.name).split(".")[0]
-            if name not in FORMULA_MODULES:
-                self.tainted.add(name)
+    def _import(self, name: str, path: str) -> None:
+        self.modules[name] = path
+        if _is_formula_path(path):
+            self.formula.add(name)
+            self.tainted.discard(name)
+        else:
+            self.formula.discard(name)
+            self.tainted.add(name)
 
-    visit_ImportFrom = visit_Import
+    def visit_Import(self, node):
+        for alias in node.names:  # ``import a.b`` binds ``a``; ``import a.b as c`` binds ``c`` to a.b
+            self._import(alias.asname, alias.name) if alias.asname else self._import(
+                alias.name.split(".")[0], alias.name.split(".")[0])
+
+    def visit_ImportFrom(self, node):
+        for alias in node.names:
+            if alias.name != "*":
+                self._import(alias.asname or alias.name, f"{'.' * node.level}{node.module or ''}.{alias.name}")
 
     def visit_Assert(self, node):
         text = ast.unparse(node.test)
@@ -166,5 +223,38 @@ def test_the_check_has_teeth():
              "assert seven_b['ddp'] > 100e9   # formula: a replica is over 100 GB"]
     nb = {"cells": [{"cell_type": "code", "source": [c]} for c in cells]}
     found = cannot_fail(nb)
-    assert [re.match(r"code cell (\d)", f).group(1) for f in found] == ["1", "2", "2", "3", "6"]
+    assert [re.match(r"code cell (\d+)", f).group(1) for f in found] == ["1", "2", "2", "3", "6"]
     assert "formula against a formula" in found[0] and "literal" in found[1] and "same expression" in found[3]
+
+
+@pytest.mark.parametrize("cells", [
+    # a comprehension's value: its loop name is local, the formula module makes it formula
+    ["from shardlab import planner",
+     "layer = {c: planner.korthikanti_layer_bytes(1, 1, c) for c in ('none', 'full')}\n"
+     "assert layer['none'] == 114 * 2048"],
+    # formula-ness follows the module an import names, not the alias it binds
+    ["from shardlab.instruments import memory_math as mm\nassert mm.model_state_bytes(7e9, 8)['ddp'] == 112e9"],
+    ["from shardlab.planner import anchors\nassert anchors.bytes_per_param(64)[0].recomputed == 10"],
+    ["from shardlab.instruments.memory_math import model_state_bytes\nassert model_state_bytes(7e9, 8)['ddp'] > 1"],
+    ["import shardlab\nassert shardlab.memory_math.model_state_bytes(7e9, 8)['ddp'] == 112e9"],
+    # a name once measured, rebound to a formula, is a formula again
+    ["from shardlab.instruments import memory_math\nr = cluster.pull('r')[0]",
+     "r = memory_math.model_state_bytes(7e9, 8)\nassert r['ddp'] == 112e9"],
+], ids=["comprehension", "alias", "submodule", "from-function", "attribute", "rebound"])
+def test_the_check_catches_formulas_however_they_are_named(cells):
+    nb = {"cells": [{"cell_type": "code", "source": [c]} for c in cells]}
+    found = cannot_fail(nb)
+    assert len(found) == 1 and "formula against a formula" in found[0], found
+
+
+@pytest.mark.parametrize("cells", [
+    ["from shardlab.instruments import memory_math as mm",
+     "got = {r: cluster.pull('m')[r] for r in range(3)}\nassert got[0] == mm.comm_elements('ddp', 5)"],
+    ["from shardlab.instruments import memory_math\nx = cluster.pull('x')",
+     "x[0] = memory_math.comm_elements('ddp', 5)\nassert x[1] == memory_math.comm_elements('ddp', 5)"],
+    ["import shardlab\nfrom shardlab.instruments import memory_math",
+     "rep = shardlab.memory_report(m, o)\nassert rep['grads'] == memory_math.model_state_bytes(5, 1)['ddp']"],
+], ids=["measured-comprehension", "update-keeps-measured", "instrument-through-shardlab"])
+def test_the_check_passes_what_reads_the_ranks(cells):
+    nb = {"cells": [{"cell_type": "code", "source": [c]} for c in cells]}
+    assert cannot_fail(nb) == []

@@ -252,7 +252,7 @@ def test_bad_shapes_get_one_clear_line(args, message):
 
 def test_a_config_json_without_a_field_is_named(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 10}))
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 10}))
     with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
         planner.model(str(path))
 

@@ -61,8 +61,18 @@ def test_the_roofline_knows_the_gpu_and_the_matmul_size():
     assert [t.model_flops / t.compute_s / t.peak_flops for t in fixed] == pytest.approx([0.5, 0.5])  # one number
 
 
-def test_the_cli_prints_the_roofline_mfu():
+def test_the_cli_prints_the_roofline_mfu(capsys):
+    import re
+
     from shardlab.planner import cli
 
-    model, cluster, plan, args = cli.parse(["--model", "8b", "--compute", "roofline"])
-    assert args.compute == "roofline"
+    def printed(compute):
+        cli.main(["--model", "8b", "--compute", compute])
+        return capsys.readouterr().out
+
+    roof, fraction = printed("roofline"), printed("fraction")
+    assert "roofline:" in roof and "roofline:" not in fraction
+    mfu = [float(re.search(r"MFU (\d+)%", out).group(1)) for out in (roof, fraction)]
+    assert mfu[0] != mfu[1]
+    m, c = planner.model("8b"), planner.cluster("h100", 8)
+    assert mfu[0] == round(100 * planner.step_time(m, c, planner.Plan(), compute="roofline").mfu)

@@ -12,6 +12,7 @@ learner can get their own numbers in the numeric questions.
 import json
 
 import pytest
+from support import slowdown
 
 from shardlab.course import quiz, quiz_bank, quiz_draw, quiz_order
 
@@ -94,7 +95,7 @@ def test_the_order_is_the_same_in_every_process_and_balanced():
 
     code = "from shardlab.course import quiz_bank as b; print(sorted((q.id, str(q.answer), list(q.choices.values())) for q in b.all_questions().values()))"
     here = sorted((q.id, str(q.answer), list(q.choices.values())) for q in quiz_bank.all_questions().values())
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=slowdown(60),
                            env={**__import__("os").environ, "PYTHONHASHSEED": "123"}).stdout
     assert other.strip() == str(here)
     maps = quiz_order.relabel([(f"x.{i}", ["a", "b", "c"], {"a"}) for i in range(12)])

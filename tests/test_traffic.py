@@ -110,3 +110,17 @@ def test_ledger_refuses_unknown_names():
     with pytest.raises(ValueError, match="collective"):
         volume("send", 10)
     assert ring_bytes("all_gather", 8, 1, 4) == 0  # one rank sends nothing
+
+
+def test_a_recorded_call_uses_the_ledgers_ring_formula():
+    """One ring formula: ``Call.ring_bytes`` is ``traffic.ring_bytes`` (broadcast (N-1)/N, not 1.0)."""
+    import torch
+
+    from shardlab.course.labs.watch import traffic
+    from shardlab.instruments.collectives import Call
+    from shardlab.instruments.traffic import ring_bytes
+
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
+        call = Call(kind, "op", 1200, 300, torch.float32, 3)
+        assert call.ring_bytes == round(ring_bytes(kind, 1200, 3, 4)) == traffic(1200, 4, 3, [kind])
+    assert Call("broadcast", "op", 1200, 1200, torch.float32, 3).ring_bytes == 3200  # 2/3 × 1200 × 4

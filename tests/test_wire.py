@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 
 import pytest
 import torch
 from instrument_workers import wire_against_tcp
+from support import slowdown
 
 import shardlab
 from shardlab.engine import events
@@ -179,3 +181,64 @@ def test_gpu_collectives_and_no_gloo_say_unavailable_too():
     with wire.count_wire() as w:
         pass
     assert "no gloo threads" in w.bytes.reason
+
+
+def test_a_schedule_of_overlapping_or_uncounted_calls_shows_no_made_up_wire(monkeypatch):
+    """Schedule.wire sums only calls that did not overlap (H1: summing 30 + 25 said 55 where 40 were
+    written), and says ``unavail.`` where the machine cannot count (no crash in the printer)."""
+    from shardlab.instruments.schedule import Schedule, side_by_side
+
+    ledger = Ledger(ScriptedWire([0, 0, 10, 30, 35, 40]))
+    for name, fields in (_event("comm", "all_gather", "backward", 1.0),
+                         _event("comm", "reduce_scatter", "backward", 2.0),
+                         _event("comm_done", "all_gather", "backward", 1.0, end=3.0),
+                         _event("comm_done", "reduce_scatter", "backward", 2.0, end=4.0)):
+        ledger.on_event(name, fields)
+    ledger.close()
+    overlapped = Schedule(ledger.records, [], 2)
+    assert overlapped.wire() is None and ledger.wire_bytes() == 40
+    alone = Ledger(ScriptedWire([0, 0, 10, 10]))
+    for name, fields in (_event("comm", "all_gather", "backward", 1.0),
+                         _event("comm_done", "all_gather", "backward", 1.0, end=2.0)):
+        alone.on_event(name, fields)
+    alone.close()
+    assert Schedule(alone.records, [], 2).wire() == alone.wire_bytes() == 10
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with shardlab.count_comm() as blind:
+        events.emit("comm", **_event("comm", "all_gather", "backward", 1.0)[1])
+        events.emit("comm_done", **_event("comm", "all_gather", "backward", 1.0, end=2.0)[1])
+    uncounted = Schedule(blind.records, [], 2)
+    assert isinstance(uncounted.wire(), wire.Unavailable)
+    table = side_by_side(uncounted, Schedule(alone.records, [], 2))
+    assert "unavail." in table and "wire KB" in table
+
+
+@pytest.mark.skipif(wire.unavailable_reason() is not None, reason="needs Linux's per-thread io counters")
+def test_a_thread_that_names_itself_gloo_after_a_scan_is_still_counted():
+    """c10d names its worker after the thread starts; a scan in between must not file it as not gloo's."""
+    import threading
+
+    renamed, written, scanned, read = (threading.Event() for _ in range(4))
+
+    def worker():
+        scanned.wait(slowdown(30))  # the meter sees this thread under its inherited name first
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write("pt_gloo_runloop")
+        renamed.set()
+        with open(os.devnull, "wb", buffering=0) as sink:
+            sink.write(b"x" * 100_000)
+        written.set()
+        read.wait(slowdown(30))  # alive until the meter has read it, as a gloo worker is
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    meter = wire.GlooWire()
+    try:
+        before = meter.read()
+        scanned.set()
+        assert written.wait(slowdown(30)) and renamed.is_set()
+        assert meter.read() - before >= 100_000 and meter.threads_seen >= 1
+    finally:
+        read.set()
+        meter.close()
+        thread.join(slowdown(30))

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import itertools
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -134,20 +135,33 @@ def _psi(plan: dict) -> int:
 _regroups = itertools.count()
 
 
-def on_first(k: int, fn, *args, timeout: float = 60.0, **kwargs):
+def _group_timeout() -> datetime.timedelta:
+    """The default group's collective timeout: the one the cluster set (``start_cluster(timeout=)``)."""
+    group = dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def on_first(k: int, fn, *args, group_timeout: float | None = None, wait_s: float = 900.0, **kwargs):
     """Call ``fn(*args, **kwargs)`` on the first ``k`` ranks alone, in a process group of ``k``.
 
     Run it on every rank (``cluster.run(on_first, 2, fn, ...)``): the other ranks wait and return
     None. Afterwards every rank is back in a group of the full size, so the next cell runs as
     before. Used to set 2 ranks beside 4 on one cluster (the notebook's ranks stay alive).
+
+    ``group_timeout`` (seconds) bounds the collectives of both groups; by default it is the
+    cluster's own, read before the group is rebuilt, so later cells keep it. (Not ``timeout``:
+    ``Cluster.run`` takes that keyword for itself.) The other ranks wait on a store key that
+    rank 0 sets when ``fn`` ends, for at most ``wait_s``, before they rejoin: so a long ``fn``
+    is bounded by ``Cluster.run``'s timeout, not by the collective one.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if not 1 <= k <= world:
         raise ValueError(f"k must be between 1 and the world size {world}, got {k!r}")
     backend = dist.get_backend()
     store = dist.distributed_c10d._get_default_store()  # kept: the group is rebuilt on it
-    limit = datetime.timedelta(seconds=timeout)
+    limit = _group_timeout() if group_timeout is None else datetime.timedelta(seconds=group_timeout)
     n = next(_regroups)
+    done = f"first{k}/{n}/done"
     dist.destroy_process_group()
     try:
         if rank < k:
@@ -157,6 +171,9 @@ def on_first(k: int, fn, *args, timeout: float = 60.0, **kwargs):
                 return fn(*args, **kwargs)
             finally:
                 dist.destroy_process_group()
+                if rank == 0:
+                    store.set(done, "1")
+        store.wait([done], datetime.timedelta(seconds=wait_s))
         return None
     finally:
         dist.init_process_group(backend, store=dist.PrefixStore(f"all/{n}/", store), rank=rank,

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardlab.instruments import traffic
+
 #: c10d operator -> the course's name for the collective
 KINDS = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
          "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
@@ -50,15 +52,14 @@ class Call:
     reduce_op: str | None = None  # SUM, AVG, ... for reductions
 
     @property
-    def sent(self) -> int:
-        """Bytes this rank sends on a ring (a formula): (N-1)/N of the full buffer, twice for all-reduce."""
-        n = self.world_size
-        share = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.kind, (n - 1) / n)
-        return round(share * self.numel * self.dtype.itemsize)
+    def ring_bytes(self) -> int:
+        """Bytes this rank sends on a ring: a FORMULA, the ledger's own (``traffic.ring_bytes``),
+        (N-1)/N × the paper's volume × element size. Not what gloo wrote: that is ``wire_bytes``."""
+        return round(traffic.ring_bytes(self.kind, self.numel, self.world_size, self.dtype.itemsize))
 
     def record(self) -> dict:
         """The fields of a traffic-ledger record (kind, phase, unit, numel, dtype) and the rest."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"sent": self.sent}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"ring_bytes": self.ring_bytes}
 
 
 def numel_of(x) -> int:
@@ -82,7 +83,7 @@ def _reduce_op(args) -> str | None:
 
 
 class Recorder(TorchDispatchMode):
-    """``with Recorder() as seen: ...``; then ``seen.log``, ``seen.stream``, ``seen.kinds()``, ``seen.sent()``."""
+    """``with Recorder() as seen: ...``; then ``seen.log``, ``seen.stream``, ``seen.kinds()``, ``seen.ring_bytes()``."""
 
     def __init__(self):
         super().__init__()
@@ -118,8 +119,9 @@ class Recorder(TorchDispatchMode):
     def kinds(self) -> list[str]:
         return [c.kind for c in self.log]
 
-    def sent(self) -> int:
-        return sum(c.sent for c in self.log)
+    def ring_bytes(self) -> int:
+        """The ring formula's bytes for every recorded call (a formula, not a measurement)."""
+        return sum(c.ring_bytes for c in self.log)
 
     def records(self) -> list[dict]:
         """One dict per collective, with the traffic ledger's keys (kind, phase, unit, numel, dtype)."""

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from shardlab.engine import events
 from shardlab.instruments.collectives import Recorder
 from shardlab.instruments.traffic import ring_bytes
+from shardlab.instruments.wire import Unavailable
 
 SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
          "forward": "F", "backward": "B", "free": "free"}
@@ -54,8 +55,10 @@ class Schedule:
         return sum(ring_bytes(r["kind"], r["numel"], self.world_size, r["dtype"].itemsize)
                    for r in self.calls(unit, kind))
 
-    def wire(self, unit=None, kind=None) -> float | None:
-        """Measured wire bytes, if every record carries its own (``wire_bytes``); else None.
+    def wire(self, unit=None, kind=None) -> float | Unavailable | None:
+        """Measured wire bytes, if every record carries its own (``wire_bytes``); else None, or
+        the records' :class:`~shardlab.instruments.wire.Unavailable` where this machine cannot count
+        them (macOS, NCCL, ``wire=False``): the table then prints ``unavail.``, never a number.
 
         A record whose call overlapped others (``overlapped`` > 0) shares the bytes written
         meanwhile with them, so summing such records would count those bytes once per call: then
@@ -63,6 +66,9 @@ class Schedule:
         """
         calls = self.calls(unit, kind)
         got = [r.get("wire_bytes") for r in calls]
+        missing = next((g for g in got if isinstance(g, Unavailable)), None)
+        if missing is not None:
+            return missing
         if not got or any(not isinstance(g, (int, float)) for g in got) or any(r.get("overlapped", 0) for r in calls):
             return None
         return sum(got)
@@ -103,9 +109,14 @@ def _cell(s: Schedule, unit: str, wire: bool) -> str:
     dtypes = "/".join(sorted({str(r["dtype"]).replace("torch.", "") for r in s.calls(unit)}))
     cell = f"{counts('all_gather'):>10} {counts('reduce_scatter'):>10} {dtypes:>8} {s.ring_bytes(unit) / 1e3:>8.1f}"
     if wire:
-        w = s.wire(unit)
-        cell += f" {w / 1e3:>8.1f}" if w is not None else f" {'-':>8}"
+        cell += _wire_kb(s.wire(unit))
     return cell
+
+
+def _wire_kb(w) -> str:
+    if isinstance(w, Unavailable):
+        return f" {'unavail.':>8}"
+    return f" {w / 1e3:>8.1f}" if w is not None else f" {'-':>8}"
 
 
 def side_by_side(ours: Schedule, theirs: Schedule, labels=("ShardLab stage 3", "fully_shard"),
@@ -129,7 +140,7 @@ def side_by_side(ours: Schedule, theirs: Schedule, labels=("ShardLab stage 3", "
         row = f"{str(unit):<10}" + (f"{sizes.get(unit, 0):>9,}" if sizes else "")
         lines.append(row + f" | {_cell(ours, unit, wire)} | {_cell(theirs, unit, wire)}")
     total = lambda s: f"{s.numel():>21,} {'':>8} {s.ring_bytes() / 1e3:>8.1f}" + (  # noqa: E731
-        f" {s.wire() / 1e3:>8.1f}" if wire and s.wire() is not None else (f" {'-':>8}" if wire else ""))
+        _wire_kb(s.wire()) if wire else "")
     lines.append(f"{'total':<10}" + (f"{sum(sizes.values()):>9,}" if sizes else "") + f" | {total(ours)} | {total(theirs)}")
     return "\n".join(lines)
 

@@ -123,7 +123,7 @@ class GlooWire:
         self._files: dict[str, int] = {}  # tid -> open /proc/self/task/<tid>/io
         self._last: dict[str, int] = {}  # tid -> wchar at the last read
         self._base: dict[str, int] = {}  # tid -> wchar when first seen (0 if born after us)
-        self._other: set[str] = set()  # tids that are not gloo's
+        self._other: set[str] = set()  # tids that are not gloo's, named so for good
         self._first_scan = True
         if self.reason is None:
             self.read()
@@ -132,7 +132,22 @@ class GlooWire:
     def threads_seen(self) -> int:
         return len(self._base)
 
+    @staticmethod
+    def _inherited() -> set[str]:
+        """Names a new thread carries until it names itself: its creator's (c10d names a gloo
+        worker in ``ProcessGroupGloo::runLoop``, after the thread exists, so a scan can land
+        between the two). Such a tid is looked at again on every scan, never filed as not gloo's."""
+        names = set()
+        for path in ("/proc/self/comm", "/proc/thread-self/comm"):
+            try:
+                with open(path) as f:
+                    names.add(f.read().strip())
+            except OSError:
+                pass
+        return names
+
     def _scan(self) -> None:
+        inherited = self._inherited()
         for tid in os.listdir("/proc/self/task"):
             if tid in self._files or tid in self._other:
                 continue
@@ -140,7 +155,8 @@ class GlooWire:
                 with open(f"/proc/self/task/{tid}/comm") as f:
                     name = f.read().strip()
                 if name not in GLOO_THREADS:
-                    self._other.add(tid)
+                    if name not in inherited:
+                        self._other.add(tid)
                     continue
                 fd = os.open(f"/proc/self/task/{tid}/io", os.O_RDONLY)
             except OSError:  # the thread ended between listdir and open

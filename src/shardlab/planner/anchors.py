@@ -11,13 +11,15 @@ Two kinds a learner meets elsewhere and should find explained here:
   H100 inside a node, **2,475** across nodes. Those are the book's published figures, quoted as
   such; the planner's formula is the same with its own m, W and reduce dtype. Latency is not
   in it: at 512+ GPUs the ring's (N−1)·α grows, the replay (``step.py``) counts it and the
-  book's formula does not, so the planner's knee sits above the book's there.
+  book's formula does not, so the planner's knee sits above the book's there. ZeRO-1 has no
+  knee: it reduces after the whole backward (as the engine does), so its reduction never hides.
 * **Bytes per parameter** (:func:`bytes_per_param`): 10, 16, 18, 20 and DeepSpeed's 2 + 18/N,
   each from a recipe of weights, gradients and optimizer state.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardlab.instruments import memory_math
@@ -33,7 +35,7 @@ BOOK_KNEE_H100 = {"inside a node": 2200, "across nodes": 2475}
 
 @dataclass(frozen=True)
 class Knee:
-    tokens: float  # the planner's knee, tokens per GPU per micro-batch
+    tokens: float  # the planner's knee, tokens per GPU per micro-batch; inf where nothing can hide
     formula: str  # how it was computed, with its numbers
     tokens_per_micro_batch: float  # what this plan runs
     book: float | None  # the book's published C/W for this card and span, or None (not an H100)
@@ -51,10 +53,10 @@ def _backward_bytes_per_param(plan: Plan, param_bytes: int) -> float:
     return reduce + (param_bytes if row.shards_params else 0)  # ZeRO-3 regathers every unit in backward
 
 
-def knee(model_tokens: int, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> Knee:
+def knee(tokens_per_micro_batch: int, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION) -> Knee:
     """The planner's knee for ``plan`` on ``cluster``, beside the book's figure (see the module docstring).
 
-    ``model_tokens``: the tokens of one micro-batch (micro-batch × sequence).
+    ``tokens_per_micro_batch``: the tokens of one micro-batch (micro-batch × sequence).
     """
     shard, _ = groups(cluster, plan)
     n = sharding_degree(plan, cluster.gpus)
@@ -66,7 +68,11 @@ def knee(model_tokens: int, cluster: GPUCluster, plan: Plan, *, fraction: float 
                f" / {bus / 1e9:.0f} GB/s × {moved / flops:.2f} × {n - 1}/{n}")
     span = "inside a node" if cluster.nodes == 1 or n <= cluster.gpus_per_node else "across nodes"
     book = BOOK_KNEE_H100[span] if cluster.gpu.name in ("h100", "h200") else None
-    return Knee(tokens, formula, model_tokens, book, span)
+    if not plan.row.reduce_as_ready:  # ZeRO-1: nothing is reduced while backward runs
+        formula = (f"none: {plan.stage} reduces after the whole backward (stages.reduce_as_ready is False, "
+                   "as in the engine), so no backward compute hides its reduce-scatter at any batch")
+        return Knee(math.inf, formula, tokens_per_micro_batch, book, span)
+    return Knee(tokens, formula, tokens_per_micro_batch, book, span)
 
 
 @dataclass(frozen=True)

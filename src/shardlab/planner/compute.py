@@ -20,11 +20,12 @@ def unit_flops(model: Transformer, micro_batch: int) -> dict[str, float]:
     """Forward FLOPs of one micro-batch: a block's and the root's (the output head).
 
     A block: 2 FLOPs per weight per token for its matmuls, plus 4·b·s²·h for attention's two
-    batched matmuls (Narayanan et al. 2021, eq. 3, which counts the full s×s). Backward costs
-    twice its forward.
+    batched matmuls (Narayanan et al. 2021, eq. 3, which counts the full s×s; h is the query
+    width, heads × head size, which is the hidden size unless a config gives ``head_dim``).
+    Backward costs twice its forward.
     """
     tokens = micro_batch * model.seq
-    attention = 4 * micro_batch * model.seq**2 * model.hidden
+    attention = 4 * micro_batch * model.seq**2 * model.q_dim
     return {"block": 2 * model.block_matmul_params * tokens + attention, "attention": attention,
             "root": 2 * model.vocab * model.hidden * tokens}
 

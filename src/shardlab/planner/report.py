@@ -6,6 +6,8 @@ quotes from "How to Scale Your Model" are published figures, labelled as such.
 
 from __future__ import annotations
 
+import math
+
 from shardlab.planner import ACHIEVABLE_FRACTION, Prediction
 from shardlab.planner.anchors import bytes_per_param, knee
 from shardlab.planner.plan import Plan
@@ -25,6 +27,9 @@ def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION) -> list[tuple
         ("ZeRO-1/2 parameter all-gather", ("hidden under the next forward" if plan.overlap_param_gather
                                            else "exposed after the step") if zero12 else "(not this stage)",
          "--overlap-param-gather"),
+        ("gradient reduction", "as each unit's gradients are ready" if plan.row.reduce_as_ready
+         else "after the whole backward, as the engine's ZeRO-1 does: it cannot hide under backward",
+         "--plan (the stage's; DeepSpeed's overlap_comm is not modelled)"),
         ("gradient accumulation", "ZeRO-2/3 and HSDP reduce every micro-batch; DDP and ZeRO-1 once a step",
          "--grad-accum N"),
         ("HSDP's deferral", "the all-reduce across replicas on the last micro-batch only "
@@ -58,8 +63,9 @@ def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRA
               f"  {t.tokens_per_s:,.0f} tokens/s/GPU, {t.tflops_per_gpu:.0f} TFLOPS/GPU (recompute counted), "
               f"MFU {t.mfu:.0%}"]
     k = knee(plan.micro_batch * m.seq, c, plan, fraction=fraction)
-    lines += ["", f"knee: {k.tokens:,.0f} tokens per GPU per micro-batch; this plan runs "
-              f"{k.tokens_per_micro_batch:,.0f}, so communication {'can hide' if k.hides else 'cannot hide'}",
+    lines += ["", (f"knee: {k.tokens:,.0f} tokens per GPU per micro-batch; this plan runs "
+                   f"{k.tokens_per_micro_batch:,.0f}, so communication {'can hide' if k.hides else 'cannot hide'}")
+              if math.isfinite(k.tokens) else "knee: none; the gradient reduction cannot hide under backward",
               f"  {k.formula}"]
     if k.book is not None:
         lines.append(f"  How to Scale Your Model (published figure, bf16, full peak, {k.book_span}): {k.book:,} tokens per H100")
@@ -90,7 +96,7 @@ def as_dict(pred: Prediction, *, fraction: float = ACHIEVABLE_FRACTION) -> dict:
                              "card": mem.card}, "fits": mem.fits,
             "step_s": t.step_s, "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s, "link_s": t.link_s,
             "tokens_per_s_per_gpu": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu,
-            "knee": {"tokens_per_gpu": k.tokens, "formula": k.formula, "tokens_per_micro_batch": k.tokens_per_micro_batch,
+            "knee": {"tokens_per_gpu": k.tokens if math.isfinite(k.tokens) else None, "formula": k.formula, "tokens_per_micro_batch": k.tokens_per_micro_batch,
                      "hides": k.hides, "book_published_tokens_per_h100": k.book, "book_span": k.book_span}}
 
 

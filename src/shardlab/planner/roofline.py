@@ -47,11 +47,11 @@ def _matmul(tokens: float, m: int, n: int, gpu: GPU, eta: float) -> float:
 def block_seconds(model: Transformer, plan: Plan, gpu: GPU, eta: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one block for one micro-batch, recompute included in backward."""
     eta = MATMUL_EFFICIENCY if eta is None else eta
-    h, kv, f, b, s = model.hidden, model.kv_dim, model.ffn_size, plan.micro_batch, model.seq
+    h, q, kv, f, b, s = model.hidden, model.q_dim, model.kv_dim, model.ffn_size, plan.micro_batch, model.seq
     tokens = b * s
-    shapes = [(h, h), (h, kv), (h, kv), (h, h)] + [(h, f)] * (model.ffn_matrices - 1) + [(f, h)]
+    shapes = [(h, q), (h, kv), (h, kv), (q, h)] + [(h, f)] * (model.ffn_matrices - 1) + [(f, h)]
     matmuls = sum(_matmul(tokens, m, n, gpu, eta) for m, n in shapes)
-    counted_attention = 4 * b * s * s * h
+    counted_attention = 4 * b * s * s * q
     if plan.attention == "fused":
         attention = counted_attention / 2 / (eta * gpu.peak_flops) + KERNEL_OVERHEAD_S
     else:  # eager: two batched matmuls that run whole, and the s×s scores written and read as bytes

@@ -113,8 +113,12 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
             if row.shards_params:
                 t = borrow(back, i, t, ready)
             t += u.bwd_s
+            if row.reduce_as_ready:
+                pending += _reduce(u, row, last, t, link, net, cost, cross)
+        # ZeRO-1 reduces nothing as gradients become ready (stages.reduce_as_ready, as the
+        # engine does): every unit's reduce-scatter is issued once the whole backward is done
+        for u in ([root] if row.reduce_as_ready else [*back, root]):
             pending += _reduce(u, row, last, t, link, net, cost, cross)
-        pending += _reduce(root, row, last, t, link, net, cost, cross)
     t = max([t, *pending])
     if row.gathers_params_after_step and not overlap_param_gather:  # every rank waits for the updated shards
         for u in units:
@@ -124,7 +128,10 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
 
 
 def _reduce(u: Unit, row: stages.Stage, last: bool, t: float, link: _Link, net: _Link, cost, cross) -> list[float]:
-    """Issue a unit's gradient reduction after its backward; return the finish times to wait for.
+    """Issue a unit's gradient reduction at ``t``; return the finish times to wait for.
+
+    ``t`` is the end of the unit's backward where the stage reduces as gradients become ready,
+    the end of the whole backward for ZeRO-1 (``stages.Stage.reduce_as_ready``).
 
     DDP all-reduces, the others reduce-scatter; ZeRO-2/3 every micro-batch (a sharded gradient
     cannot add up whole), DDP and ZeRO-1 on the last one only."""

@@ -25,8 +25,10 @@ class Transformer:
 
     ``ffn_matrices`` is 2 for a GELU MLP (GPT) and 3 for SwiGLU (Llama); ``kv_heads`` below
     ``heads`` is grouped-query attention; ``bias`` adds GPT's biases (13h a block with the two
-    LayerNorms); ``learned_positions`` adds GPT's seq × h position table; ``tied`` shares the
-    embedding with the output head.
+    LayerNorms); ``qkv_bias`` adds only the q/k/v projections' biases (Qwen2);
+    ``learned_positions`` adds GPT's seq × h position table; ``tied`` shares the embedding with
+    the output head; ``head_dim`` is one head's size when it is not hidden / heads (Gemma 7B:
+    16 heads of 256 on a hidden of 3072), so q, k, v and the output projection are sized by it.
     """
 
     name: str
@@ -41,16 +43,18 @@ class Transformer:
     bias: bool = True
     learned_positions: bool = True
     tied: bool = True
+    head_dim: int = 0  # 0: hidden // heads
+    qkv_bias: bool = False
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads"):
+        for field in ("layers", "hidden", "heads", "vocab", "seq", "ffn", "kv_heads", "head_dim"):
             value = getattr(self, field)
-            least = 0 if field in ("ffn", "kv_heads") else 1
+            least = 0 if field in ("ffn", "kv_heads", "head_dim") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads:
+        if not self.head_dim and self.hidden % self.heads:
             raise ValueError(f"{self.name}: hidden {self.hidden} must split evenly over {self.heads} heads "
-                             f"(hidden = heads × head size)")
+                             f"(hidden = heads × head size), or give head_dim")
         if self.kv_heads and self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: kv_heads {self.kv_heads} must divide heads {self.heads} "
                              "(each key/value head serves a whole group of query heads)")
@@ -62,20 +66,30 @@ class Transformer:
         return self.ffn or 4 * self.hidden
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): heads × head size."""
+        return self.heads * self.head_size
+
+    @property
     def kv_dim(self) -> int:
-        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        return (self.kv_heads or self.heads) * self.head_size
 
     @property
     def block_matmul_params(self) -> int:
         """Weights the matmuls of one block multiply by: q, k, v, output projection, the FFN."""
         h = self.hidden
-        return h * (h + 2 * self.kv_dim) + h * h + self.ffn_matrices * h * self.ffn_size
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + self.ffn_matrices * h * self.ffn_size
 
     @property
     def block_params(self) -> int:
         """One block: its matmul weights, the two norms, and GPT's biases (12h² + 13h for GPT)."""
         h = self.hidden
-        biases = (h + 2 * self.kv_dim) + h + self.ffn_size + h if self.bias else 0
+        qkv = self.q_dim + 2 * self.kv_dim
+        biases = qkv + h + self.ffn_size + h if self.bias else qkv if self.qkv_bias else 0
         norms = (4 if self.bias else 2) * h  # LayerNorm has a weight and a bias; RMSNorm a weight
         return self.block_matmul_params + biases + norms
 
@@ -169,17 +183,24 @@ def from_shape(name: str = "custom", base: Transformer | None = None, **shape) -
 _HF = {"layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
        "heads": ("num_attention_heads", "n_head"), "vocab": ("vocab_size",),
        "kv_heads": ("num_key_value_heads",), "ffn": ("intermediate_size", "n_inner"),
-       "seq": ("max_position_embeddings", "n_positions")}
+       "seq": ("max_position_embeddings", "n_positions"), "head_dim": ("head_dim",)}
 MAX_SEQ = 8192  # a config's max_position_embeddings (Llama 3.1: 131,072) is what it can read, not what it trains on
+#: The ``model_type``s the planner can count, and how each is built. GPT-2 style: GELU MLP,
+#: biases, learned positions. Llama style: a gated MLP (SwiGLU; Gemma's GeGLU has the same three
+#: matrices), RMSNorm, rotary positions, no biases (Qwen2: q/k/v biases). Any other type raises:
+#: GPT-NeoX, OPT, Falcon, BLOOM, Phi... differ in ways these two shapes would silently miscount.
+GPT2_TYPES = ("gpt2", "gpt_neo", "gptj")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "gemma")
 
 
 def from_config(path, seq: int | None = None) -> Transformer:
     """A model from a Hugging Face ``config.json`` read from disk (no download).
 
-    GPT-2-style configs (``model_type`` gpt2, gpt_neo, gptj) are GPT-shaped: GELU MLP, biases,
-    learned positions, a tied head. Every other one is Llama-shaped: SwiGLU (``intermediate_size``),
-    RMSNorm, no biases, the head tied when ``tie_word_embeddings`` says so. The sequence is
-    ``seq`` if given, else ``max_position_embeddings`` up to :data:`MAX_SEQ`.
+    ``model_type`` must be one of :data:`GPT2_TYPES` or :data:`LLAMA_TYPES`. The head is tied
+    unless ``tie_word_embeddings`` is false: that is ``PretrainedConfig``'s default, and
+    ``save_pretrained`` leaves default keys out (Gemma's config has none). ``head_dim`` is read
+    when the config gives it. The sequence is ``seq`` if given, else ``max_position_embeddings``
+    up to :data:`MAX_SEQ`.
     """
     p = Path(path)
     try:
@@ -190,6 +211,11 @@ def from_config(path, seq: int | None = None) -> Transformer:
         raise ValueError(f"{p} is not a JSON file ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p} holds no JSON object of config fields")
+    kind = cfg.get("model_type")
+    if kind not in GPT2_TYPES + LLAMA_TYPES:
+        raise ValueError(f"{p}: model_type {kind!r} is not one the planner knows how to count "
+                         f"({', '.join(GPT2_TYPES + LLAMA_TYPES)}); give its shape with "
+                         "--layers --hidden --heads --vocab --seq")
     dims = {}
     for field, keys in _HF.items():
         found = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
@@ -200,10 +226,11 @@ def from_config(path, seq: int | None = None) -> Transformer:
             dims[field] = found
     dims["seq"] = seq if seq is not None else min(dims.get("seq", MAX_SEQ), MAX_SEQ)
     name = cfg.get("_name_or_path") or p.parent.name or p.stem
-    if cfg.get("model_type") in ("gpt2", "gpt_neo", "gptj"):
-        return Transformer(name, **dims, ffn_matrices=2, bias=True, learned_positions=True, tied=True)
-    return Transformer(name, **dims, ffn_matrices=3, bias=False, learned_positions=False,
-                       tied=bool(cfg.get("tie_word_embeddings", False)))
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    if kind in GPT2_TYPES:
+        return Transformer(name, **dims, ffn_matrices=2, bias=True, learned_positions=True, tied=tied)
+    return Transformer(name, **dims, ffn_matrices=3, bias=False, learned_positions=False, tied=tied,
+                       qkv_bias=kind == "qwen2")
 
 
 def need_transformer(model) -> Transformer:

@@ -68,8 +68,9 @@ def _collectives(seen: Collectives, want: list[str], numel: int, n: int, task_wo
     """The task's text names its collectives: insist on them (an all-reduce sends twice the bytes)."""
     kinds = seen.kinds()
     if "all_reduce" in kinds:
-        raise Hint(f"the values are right, but you all-reduced: {task_words}. By the ring formula an all-reduce "
-                   f"sends {seen.sent():,} B per rank here, the lab's collectives {traffic(numel, 4, n, want):,} B",
+        raise Hint(f"the values are right, but you all-reduced: {task_words}. By the ring formula "
+                   f"an all-reduce sends {seen.ring_bytes():,} B per rank here, the lab's collectives "
+                   f"{traffic(numel, 4, n, want):,} B",
                    "replace the all-reduce (and the slice after it) by the collective the task names",
                    mistake="all_reduce_instead")
     if sorted(kinds) != sorted(want) or any(c.numel != numel for c in seen.log):
@@ -223,4 +224,4 @@ def check_all_reduce_mean(fn) -> str:
     _collectives(seen, ["reduce_scatter", "all_gather"], padded, n,
                  "the task builds it from one reduce-scatter and one all-gather")
     return (f"the mean of {n} ranks' gradients ({numel} elements, padded to {padded}) from one "
-            f"reduce-scatter and one all-gather, on every rank; {seen.sent():,} B per rank by the ring formula")
+            f"reduce-scatter and one all-gather, {seen.ring_bytes():,} B per rank by the ring formula, on every rank")

@@ -182,7 +182,7 @@ def check_zero1_step(fn) -> str:
     for step, seen in enumerate(per_step, 1):
         if "all_reduce" in seen.kinds():
             raise Hint(f"the weights are right, but step {step} all-reduced: ZeRO-1 reduce-scatters, so each "
-                       f"rank receives only its shard (ring formula: {seen.sent():,} B per rank, the lab's step "
+                       f"rank receives only its shard ({seen.ring_bytes():,} B per rank by the ring formula, the lab's step "
                        f"{traffic(flat.numel(), 4, n, want):,} B)", "the gradient a rank steps with is only "
                        "its shard: which collective delivers just that?", mistake="all_reduce_instead")
         if sorted(seen.kinds()) != sorted(want):
@@ -191,7 +191,7 @@ def check_zero1_step(fn) -> str:
                        "is one reduce-scatter and one all-gather", mistake="collectives")
     return (f"{STEPS} ZeRO-1 steps on {n} ranks match stage 0 (SGD with momentum on the whole buffer); "
             f"every rank holds the same full weights; each stepped only its {s}-element shard, with one "
-            f"reduce-scatter and one all-gather a step ({per_step[0].sent():,} B per rank by the ring formula)")
+            f"reduce-scatter and one all-gather a step ({per_step[0].ring_bytes():,} B per rank by the ring formula)")
 
 
 def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n, step, kinds) -> Hint | None:

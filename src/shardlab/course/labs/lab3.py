@@ -94,7 +94,7 @@ def check_reduce_unit(fn) -> str:
                    "unit.shard_numel elements", mistake="shard_is_a_view")
     if "all_reduce" in seen.kinds():
         raise Hint("the values are right, but you all-reduced the whole gradient and kept a piece: a "
-                   f"reduce-scatter sends each rank only its shard of the sum (ring formula: {seen.sent():,} B per rank "
+                   f"reduce-scatter sends each rank only its shard of the sum ({seen.ring_bytes():,} B per rank by the ring formula "
                    f"vs {traffic(unit.padded_numel, 4, n, ['reduce_scatter']):,} B)", mistake="all_reduce_instead")
     if seen.kinds() != ["reduce_scatter"]:
         raise Hint(f"the values are right, but your collectives were: {', '.join(seen.kinds()) or 'none'}; "

@@ -20,22 +20,23 @@ from shardlab.course.labs.tasks import Hint
 from shardlab.engine import events
 from shardlab.engine.flat import FlatUnit
 from shardlab.instruments.collectives import Call, Recorder, numel_of
+from shardlab.instruments.traffic import ring_bytes
 
 SIZES = ("your {kind} got buffers that do not fit: {got}. {rule}. Are all your shards the same "
          "size, i.e. did you pad to a multiple of the world size?")
 
-Collective = Call  # one recorded collective: kind, numel (of the full buffer), sent (ring bytes: a formula), ...
+Collective = Call  # one recorded collective: kind, numel (of the full buffer), ring_bytes (formula), ...
 SWAPPED = ("your {kind}'s arguments look swapped: its output has {out} elements and its input {inp}, on "
            "{n} ranks. Both collectives take (output, input): comm.reduce_scatter(shard, full) writes each "
            "rank's shard of the sum, comm.all_gather(full, shard) writes the full buffer")
 
 
 class Collectives(Recorder):
-    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.sent()``.
+    """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.ring_bytes()``.
 
     The instruments' dispatcher :class:`~shardlab.instruments.collectives.Recorder`, which also
     refuses, with a hint in the lab's words, the buffers gloo would abort the process on.
-    ``seen.sent()`` is the ring formula's bytes, (N-1)/N x volume x element size, not bytes
+    ``seen.ring_bytes()`` is the ring formula's bytes, (N-1)/N x volume x element size, not bytes
     measured on the wire. ``reduce_full``: the padded gradient's length the task reduce-scatters,
     so that a reduce-scatter of one shard of it is named as that (it fits on 4 ranks, not on 3).
     """
@@ -72,10 +73,9 @@ class Collectives(Recorder):
 
 
 def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all_gather")) -> int:
-    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the ring formula
-    (what NCCL's rings send; gloo's reduce-scatter puts twice this on the wire, PHASE2 / docs/instruments.md)."""
-    share = {"all_reduce": 2 * (n - 1) / n}
-    return sum(round(share.get(k, (n - 1) / n) * numel * element_size) for k in kinds)
+    """Bytes one rank sends on a ring for ``kinds`` over a ``numel``-element buffer: the ledger's
+    formula (``traffic.ring_bytes``), as each recorded ``Call.ring_bytes`` counts it."""
+    return sum(round(ring_bytes(k, numel, n, element_size)) for k in kinds)
 
 
 def _no_hook_argument(method: str, args) -> None:
