@@ -2,7 +2,8 @@
 
 Every rank keeps the full weights, the full gradients and the full optimizer state: that is
 the redundancy ZeRO removes. As soon as a unit's gradients are ready its all-reduce starts, so
-communication overlaps the backward of the units before it (DDP calls a unit a bucket).
+communication overlaps the backward of the units before it (PyTorch's DDP overlaps the same
+way, with size-capped gradient *buckets* instead of units).
 
 What ``base.py`` does for this file, in one backward::
 
