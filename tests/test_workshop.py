@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import slowdown
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSHOP = ROOT / "workshop"
@@ -57,7 +58,7 @@ def test_scripts_parse(script):
 
 def test_train_sbatch_starts_one_torchrun_per_node_meeting_at_the_first(tmp_path):
     out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch"), "--stage", "2"], env=fake_site(tmp_path),
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=slowdown(60))
     assert out.returncode == 0, out.stderr
     srun = next(line for line in out.stdout.splitlines() if line.startswith("srun "))
     port = 29500 + 4242 % 1000  # from the job id: two jobs on one node do not collide on 29500
@@ -72,7 +73,7 @@ def test_train_sbatch_gives_each_agent_its_cpus(tmp_path):
     site = fake_site(tmp_path)
     (tmp_path / "bin" / "srun").write_text('#!/bin/bash\necho "srun sees SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK"\n')
     out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch")], env={**site, "SLURM_CPUS_PER_TASK": "12"},
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=slowdown(60))
     assert out.returncode == 0, out.stderr
     assert "srun sees SRUN_CPUS_PER_TASK=12" in out.stdout and "12 CPUs per node" in out.stdout
 
@@ -82,14 +83,14 @@ def test_train_sbatch_survives_a_long_node_list(tmp_path):
     (``| head -n 1``) kills scontrol with SIGPIPE, and under ``pipefail`` the job exits 141."""
     many = 'for i in $(seq 0 1999); do echo "node-$i"; done'
     out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch")], env=fake_site(tmp_path, scontrol=many),
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=slowdown(60))
     assert out.returncode == 0, (out.returncode, out.stderr)
     assert f"--rdzv-endpoint node-0:{29500 + 4242 % 1000}" in out.stdout
 
 
 def test_jupyter_sbatch_keeps_the_token_private_and_binds_to_localhost(tmp_path):
     env = {**fake_site(tmp_path), "SLURMD_NODENAME": "gpu-node-17"}
-    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=env, capture_output=True, text=True, timeout=slowdown(120))
     assert out.returncode == 0, out.stderr
     node, port = "gpu-node-17", 8800 + 4242 % 1000
     # the tunnel ends on the node itself, where the server listens on 127.0.0.1 only
@@ -111,7 +112,7 @@ def test_jupyter_sbatch_url_file_is_private_while_the_job_runs(tmp_path):
     url = tmp_path / "home" / ".shardlab" / "jupyter-4242.url"
     wait = f'for i in $(seq 100); do [ -f {url} ] && break; sleep 0.1; done; stat -c "%a" {url} > {seen}; cat {url} >> {seen}'
     out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "JUPYTER_STUB_EXTRA": wait},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=slowdown(120))
     assert out.returncode == 0, out.stderr
     mode, url = seen.read_text().split()
     assert mode == "600" and url.startswith(f"http://localhost:{8800 + 4242 % 1000}/lab?token=")
@@ -122,7 +123,7 @@ def test_the_tunnel_names_the_port_the_server_bound(tmp_path):
     the port asked for (port_retries=0 makes them equal; the check does not rely on it)."""
     site = fake_site(tmp_path)
     out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "JUPYTER_STUB_PORT": "9999"},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=slowdown(120))
     assert out.returncode == 0, out.stderr
     jupyter = next(line for line in out.stdout.splitlines() if line.startswith("jupyter "))
     assert "--ServerApp.port_retries=0" in jupyter
@@ -132,7 +133,7 @@ def test_the_tunnel_names_the_port_the_server_bound(tmp_path):
 def test_jupyter_sbatch_needs_no_user_and_allows_root_only_as_root(tmp_path):
     site = {k: v for k, v in fake_site(tmp_path).items() if k != "USER"}
     out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env=site, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=slowdown(120))
     assert out.returncode == 0, out.stderr
     me = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
     assert f"-J {me}@login1 {me}@" in out.stdout
@@ -144,14 +145,14 @@ def test_the_scripts_refuse_a_missing_environment_or_working_copy(tmp_path):
     site = fake_site(tmp_path)
     for script in ("jupyter.sbatch", "train.sbatch"):
         out = subprocess.run(["bash", str(WORKSHOP / script)], env={**site, "SHARDLAB_ENV": str(tmp_path / "nope")},
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=slowdown(60))
         assert out.returncode == 1 and f"no environment at {tmp_path / 'nope'}" in out.stderr
         assert "make -C" in out.stderr and "install" in out.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     for copy, says in ((tmp_path / "gone", "does not exist"), (empty, "holds no copy of the course")):
         out = subprocess.run(["bash", str(WORKSHOP / "jupyter.sbatch")], env={**site, "SHARDLAB_DIR": str(copy)},
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=slowdown(60))
         assert out.returncode == 1 and says in out.stderr and "seat.sh" in out.stderr, out.stderr
 
 
@@ -163,6 +164,6 @@ def test_the_site_hook_runs_before_the_environment(tmp_path):
     hook.write_text(f'export PATH="{tmp_path / "bin"}:{Path(sys.executable).parent}:$PATH"; echo "site hook ran"\n')
     out = subprocess.run(["bash", str(WORKSHOP / "train.sbatch")],
                          env={**site, "SHARDLAB_SETUP": str(hook), "SHARDLAB_ENV": "none"},
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=slowdown(60))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("site hook ran") and "srun " in out.stdout
