@@ -4,7 +4,7 @@ One home for the cases, so that ``tests/test_planner_published.py`` checks them 
 08 shows them from the same code. Every prediction uses the presets as they are and the one
 ``planner.ACHIEVABLE_FRACTION``; nothing is fitted to a case. Each row is one of two kinds:
 
-* a **prediction**: a number a paper measured, against the planner's formula, within
+* a **prediction**: a number a paper published, against the planner's formula, within
   :data:`TOLERANCE` (issue 28's ±25%) or a miss with its reason;
 * an **identity**: the planner's formula evaluated where the paper evaluates the same formula.
   It cannot miss, so it is shown but never counted as a check.
@@ -45,8 +45,8 @@ TORCHTITAN = {8: 82.4, 128: 67.0}
 TOLERANCE = 0.25
 
 WHY = {
-    "megatron": ("Known: Megatron-LM measured DeepSpeed's ZeRO-3 at 144, 88 and 44 TFLOPS/GPU, a step of ~67 s "
-                 "at both 768 and 1536 GPUs, and every GPU's traffic per step (3Ψ) does not shrink with N. The "
+    "megatron": ("Known: Megatron-LM published DeepSpeed's ZeRO-3 at 144, 88 and 44 TFLOPS/GPU (Table 2), and "
+                 "every GPU's traffic per step (3Ψ) does not shrink with N. The "
                  "planner's formula says Selene's 8 HDR NICs a node carry that 3Ψ in ~8 s, under 19-75 s of "
                  "compute, so it predicts ~155 TFLOPS at every size. Not known: why the run was slower. "
                  "Hypotheses: the implementation (DeepSpeed's ZeRO-3 of 2021) overlapped or ran its "
