@@ -136,6 +136,11 @@ ROWS = [
 ]
 
 
+def _code(text: str) -> str:
+    """A name as a code span; prose that already holds code spans stays prose (no nested backticks)."""
+    return text if "`" in text else f"`{text}`"
+
+
 def markdown() -> str:
     """The table as Markdown: one row per ShardLab setting, each cell linking its docs page."""
     head = "| ShardLab | " + " | ".join(STACKS.values()) + " |"
@@ -144,7 +149,7 @@ def markdown() -> str:
         cells = [f"`{row['shardlab']}`"]
         for key in STACKS:
             cell = row[key]
-            cells.append("—" if cell is None else f"[`{cell[0]}`]({cell[1]})".replace("|", "\\|"))
+            cells.append("—" if cell is None else f"[{_code(cell[0])}]({cell[1]})".replace("|", "\\|"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
