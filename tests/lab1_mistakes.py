@@ -77,6 +77,12 @@ def gather_by_all_reduce(shard, numel, world_size):  # right values, twice the t
     return full[:numel]
 
 
+def gather_drops_the_front(shard, numel, world_size):  # the padding is at the tail, not the front
+    full = torch.empty(world_size * shard.numel())
+    comm.all_gather(full, shard)
+    return full[-numel:]
+
+
 def gather_buffer_for_four(shard, numel, world_size):
     full = torch.empty(4 * shard.numel())
     comm.all_gather(full, shard)
@@ -220,12 +226,13 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "a row of padding when it divides": (PAD, split_always_pads_a_row, "too_much_padding", "not when it already divides"),
     "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
+    "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
     "gather arguments swapped": (GATHER, gather_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "gather forgets the collective": (GATHER, gather_forgot_the_collective, "no_all_gather", "you returned one shard"),
     "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes", "do not fit"),
     "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
-    "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: the collective SUMs over"),
     "mean arguments swapped": (MEAN, mean_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "mean divided twice": (MEAN, mean_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "mean of the next rank's shard": (MEAN, mean_of_the_next_ranks_shard, "wrong_shard", "another rank's shard"),
@@ -237,7 +244,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),
     "all-reduce reduces its own shard": (ALL, all_reduce_reduces_its_own_shard, "reduced_a_shard",
                                          "one rank's shard of the padded"),
-    "all-reduce not divided": (ALL, all_reduce_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "all-reduce not divided": (ALL, all_reduce_not_divided, "not_divided", "too large: the collective SUMs over"),
     "all-reduce divided twice": (ALL, all_reduce_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "all-reduce keeps the padding": (ALL, all_reduce_keeps_padding, "kept_padding", "drop the padding"),
     "all-reduce pads in front": (ALL, all_reduce_zeros_in_front, "padded_at_front", "zeros went in front"),

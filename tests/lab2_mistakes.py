@@ -150,7 +150,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "step gathers into a new tensor": (STEP, step_gathers_into_a_new_tensor, "gathered_not_in_place",
                                        "Gather in place"),
     "step copies only its own shard": (STEP, step_copies_only_its_own_shard, "drift", "drift apart"),
-    "step not divided": (STEP, step_not_divided, "not_divided", "too large: did you divide the SUM"),
+    "step not divided": (STEP, step_not_divided, "not_divided", "too large: the collective SUMs over"),
     "step not divided, then zero_grad": (STEP, step_not_divided_then_zero_grad, "not_divided", "too large"),
     "step divided twice": (STEP, step_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "step with its own gradient": (STEP, step_with_its_own_gradient, "no_reduce", "not the mean over ranks"),

@@ -91,6 +91,11 @@ def when_ready_hooks_last_param(params, on_ready):
     params[-1].register_post_accumulate_grad_hook(lambda p: on_ready())
 
 
+def when_ready_hooks_first_param(params, on_ready):
+    # "the first parameter is used first, so its gradient comes last": the right hook, the wrong idea
+    params[0].register_post_accumulate_grad_hook(lambda p: on_ready())
+
+
 def when_ready_set_never_cleared(params, on_ready):
     seen = set()
 
@@ -170,6 +175,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "all-reduce, then a copy of its shard": (REDUCE, reduce_unit_all_reduce_then_copy, "all_reduce_instead", "you all-reduced"),
     "only its own gradient": (REDUCE, reduce_unit_own_gradient, "no_reduce", "only this rank's own gradient"),
     "reduced before all gradients are in": (READY, when_ready_hooks_last_param, "fires_early", "when only 1 of its 6 gradients"),
+    "hooks only the first parameter": (READY, when_ready_hooks_first_param, "hooked_one_param",
+                                       "is not the last to arrive"),
     "double reduction on a second backward": (READY, when_ready_set_never_cleared, "fires_again",
                                               "in the second backward: each call reduces again (double reduction)"),
     "countdown not re-armed": (READY, when_ready_not_rearmed, "not_rearmed", "never ran for blocks.0 in the second backward"),

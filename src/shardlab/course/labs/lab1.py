@@ -152,6 +152,11 @@ def check_gather_full(fn) -> str:
                    "buffer of world_size x shard elements", "comm.all_gather(full, shard) fills a buffer "
                    "you allocate", mistake="no_all_gather")
     if not _same(got, full):
+        if got.numel() == numel and _same(got, padded[-numel:]):
+            raise Hint(f"you dropped the padding from the front: the padding is the last "
+                       f"{padded.numel() - numel} elements of the buffer, so your tensor lost its first ones",
+                       "the gathered buffer ends with the padding: return only its first numel elements",
+                       mistake="dropped_front")
         if got.numel() in (numel, padded.numel()) and set(got.tolist()) <= set(padded.tolist()):  # distinct values
             raise Hint("the pieces are in the wrong order: all-gather already puts rank r's shard at "
                        "[r*S, (r+1)*S) of the buffer; keep that order, only drop the padding",

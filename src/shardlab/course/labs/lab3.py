@@ -143,13 +143,16 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
 
     for u in units:
         when_ready(u.params, on_ready_for(u))
+    # A tensor hook (p.register_hook) fires before p.grad is updated; the only way to tell it from a
+    # post-accumulate hook on the wrong parameter, which fires at the same count, is to look.
+    tensor_hooks = {u.name: any(p._backward_hooks for p in u.params) for u in units}
     for b in range(backwards):
         state["backward"] = b
         for name in got:
             got[name] = 0
         x, y = lab_model.batch(rank, b)
         lab_model.loss_fn(model(x), y).backward()
-    return {"units": units, "calls": calls, "shards": shards, "peak": state["peak"],
+    return {"units": units, "calls": calls, "shards": shards, "peak": state["peak"], "tensor_hooks": tensor_hooks,
             "all_grads": sum(p.numel() * p.element_size() for p in params)}
 
 
@@ -171,6 +174,11 @@ def check_when_ready(fn) -> str:
                 raise Hint(f"on_ready ran after every gradient of {u.name} ({n} times in {which}): each call "
                            "reduces a partial gradient. Call it once, when the last of the unit's gradients is in",
                            COUNT, mistake="fires_every_hook")
+            if early and early[0] == n - 1 and len(counts) == 1 and not run["tensor_hooks"][u.name]:
+                raise Hint(f"on_ready ran for {u.name} in {which} with {n - 1} of its {n} gradients in: the "
+                           "parameter you hooked is not the last to arrive. Gradients arrive roughly in reverse "
+                           "order of use, and not exactly (the first parameter's is not the last). Hook every "
+                           "parameter and count down", COUNT, mistake="hooked_one_param")
             if early and early[0] == n - 1 and len(counts) == 1:
                 raise Hint(f"on_ready ran for {u.name} in {which} just before its last gradient was stored in "
                            "p.grad: p.register_hook runs when a gradient is computed, before it is accumulated. "

@@ -88,16 +88,26 @@ def _link_formula(plan: dict) -> tuple[int, float]:
 
 
 def _link_like_ddp(plan: dict) -> str:
-    """No more link time than DDP on the same units (DDP all-reduces per unit, too)."""
+    """The symptom is the cost of many small collectives, so a fix passes when it either costs no more
+    link time than DDP on the same units (DDP all-reduces per unit, too), or cuts the collectives to
+    at most 3 per DDP unit (stage 3: two gathers and a reduce-scatter a unit) and the link time with
+    them. What stays then is stage 3's third Ψ of traffic, the price of sharding the weights: said,
+    not hidden."""
     ddp = {k: v for k, v in plan.items() if k not in ("prefetch", "reshard_after_forward")} | {"stage": 0}
     (calls, link), (ddp_calls, ddp_link) = _link_formula(plan), _baseline("link", _link_formula, ddp)
-    if link > ddp_link * 1.001:
-        raise Hint(f"rerun with your fix: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} by the α-β "
-                   f"formula, against {ddp_calls} and {ddp_link * 1e3:.1f} ms for DDP on the same units: gathers are still there",
-                   "the model fits on one device: does it need its weights sharded at all?",
-                   mistake="symptom_remains")
-    return (f"rerun on {dist.get_world_size()} ranks: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} "
-            f"by the α-β formula, no more than DDP's {ddp_link * 1e3:.1f} ms on the same units")
+    on = f"rerun on {dist.get_world_size()} ranks: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} by the α-β formula"
+    if link <= ddp_link * 1.001:
+        return f"{on}, no more than DDP's {ddp_link * 1e3:.1f} ms on the same units"
+    before_calls, before = _baseline("link", _link_formula, CASES["c"].plan)
+    as_run_calls, as_run = _baseline("link", _link_formula, dict(stage=0))  # DDP as the report runs it
+    if calls <= 3 * as_run_calls and link < before:
+        return (f"{on}, down from {before_calls} and {before * 1e3:.1f} ms: no more than 3 a unit of DDP's "
+                f"{as_run_calls}. DDP takes {as_run * 1e3:.1f} ms; the rest is stage 3's extra gather, 3Ψ moved "
+                "against DDP's 2Ψ. To match DDP, keep the weights whole (stage 2 or lower)")
+    raise Hint(f"rerun with your fix: {calls} collectives a step, {link * 1e3:.1f} ms on {LINK} by the α-β "
+               f"formula, against {ddp_calls} and {ddp_link * 1e3:.1f} ms for DDP on the same units: gathers are still there",
+               "how many collectives does each unit cost, and how many units are there?",
+               mistake="symptom_remains")
 
 
 def _shard_of_gradient(plan: dict) -> str:

@@ -26,7 +26,7 @@ def judge_scale(got: torch.Tensor, want: torch.Tensor, n: int, what: str) -> Non
     if c is None or abs(c - 1) < 1e-3:
         return
     if abs(c - n) < 1e-3 * n and n > 1:
-        raise Hint(f"{what} is {n}x too large: did you divide the SUM by the world size?", STRONGER,
+        raise Hint(f"{what} is {n}x too large: the collective SUMs over {n} ranks, and you did not divide the SUM by world_size", STRONGER,
                    mistake="not_divided")
     if abs(c - 1 / n) < 1e-3 and n > 1:
         raise Hint(f"{what} is {n}x too small: did you divide twice?", STRONGER, mistake="divided_twice")
