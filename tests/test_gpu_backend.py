@@ -76,10 +76,10 @@ def test_each_rank_says_its_device_and_which_backend_carries_which_tensors():
 
 def test_the_clusters_repr_says_where_ranks_run():
     c = Cluster(4, "gloo", max_ranks_per_core=64)
-    c.devices = [f"cuda:{r}" for r in range(4)]
+    c.pool.devices = [f"cuda:{r}" for r in range(4)]  # what the ranks reported when they joined
     c.backend = launch.GPU_BACKEND  # as on a 4-GPU node
     assert "rank r on cuda:r, gloo for CPU tensors, nccl for CUDA tensors" in repr(c)
-    c.devices = ["cpu"] * 4
+    c.pool.devices = ["cpu"] * 4
     c.backend = "gloo"
     assert "ranks on cpu, gloo for CPU tensors" in repr(c)
 
