@@ -132,8 +132,9 @@ def _event(name, kind, phase, start, **extra):
     return name, fields | extra
 
 
-def test_overlapping_calls_are_booked_honestly():
-    """A alone 10 bytes, A and B together 20 (another kind: shared), B alone 5, nothing 5."""
+def _overlapping_ledger() -> Ledger:
+    """An all-gather and a reduce-scatter that overlap: 10 bytes while A alone, 20 while both, 5 while
+    B alone, 5 with no engine call in flight (40 in all)."""
     ledger = Ledger(ScriptedWire([0, 0, 10, 30, 35, 40]))
     for name, fields in (_event("comm", "all_gather", "backward", 1.0),
                          _event("comm", "reduce_scatter", "backward", 2.0),
@@ -141,6 +142,12 @@ def test_overlapping_calls_are_booked_honestly():
                          _event("comm_done", "reduce_scatter", "backward", 2.0, end=4.0)):
         ledger.on_event(name, fields)
     ledger.close()
+    return ledger
+
+
+def test_overlapping_calls_are_booked_honestly():
+    """A alone 10 bytes, A and B together 20 (another kind: shared), B alone 5, nothing 5."""
+    ledger = _overlapping_ledger()
     assert ledger.wire_bytes() == 40  # the total is exact, whatever overlapped
     assert ledger.wire_bytes(kind="all_gather") == 10 and ledger.wire_bytes(kind="reduce_scatter") == 5
     assert dict(ledger.shared) == {(("backward", "all_gather"), ("backward", "reduce_scatter")): 20}
@@ -188,13 +195,7 @@ def test_a_schedule_of_overlapping_or_uncounted_calls_shows_no_made_up_wire(monk
     written), and says ``unavail.`` where the machine cannot count (no crash in the printer)."""
     from shardlab.instruments.schedule import Schedule, side_by_side
 
-    ledger = Ledger(ScriptedWire([0, 0, 10, 30, 35, 40]))
-    for name, fields in (_event("comm", "all_gather", "backward", 1.0),
-                         _event("comm", "reduce_scatter", "backward", 2.0),
-                         _event("comm_done", "all_gather", "backward", 1.0, end=3.0),
-                         _event("comm_done", "reduce_scatter", "backward", 2.0, end=4.0)):
-        ledger.on_event(name, fields)
-    ledger.close()
+    ledger = _overlapping_ledger()
     overlapped = Schedule(ledger.records, [], 2)
     assert overlapped.wire() is None and ledger.wire_bytes() == 40
     alone = Ledger(ScriptedWire([0, 0, 10, 10]))
