@@ -198,8 +198,10 @@ def stage_memory(stage: int, size: str = "small", batch_size: int = 4, *, precis
 def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[dict]:
     """Seconds of one all-gather, reduce-scatter and all-reduce of each FULL buffer size (MB).
 
-    Every call goes through :mod:`shardlab.engine.comm`; each size is warmed up twice, and the
-    time is the slowest rank's mean over ``iters`` (a collective ends when its last rank does).
+    Every call goes through :mod:`shardlab.engine.comm`; each size is warmed up twice. Each of the
+    ``iters`` calls is timed alone, and a call's time is its slowest rank's (a collective ends when
+    its last rank does). The row keeps the fastest of those calls: on a shared CPU a call the
+    scheduler interrupted is slow for reasons the link does not have, and a mean would keep them.
     ``workshop/gpu_check.py`` and notebook 06 feed these to :func:`~shardlab.instruments.link.fit_link`.
     """
     world = dist.get_world_size()
@@ -215,14 +217,16 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
             for _ in range(2):
                 op()
             _sync(device)
-            comm.barrier()
-            t0 = time.perf_counter()
+            times = []
             for _ in range(iters):
+                comm.barrier()
+                t0 = time.perf_counter()
                 op()
-            _sync(device)
-            worst = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
-            comm.all_reduce_max(worst)  # the slowest rank's time
-            rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=Measured(worst.item(), by="collective_times"),
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            worst = torch.tensor(times, dtype=torch.float64, device=device)
+            comm.all_reduce_max(worst)  # each call's slowest rank
+            rows.append(dict(kind=kind, size_bytes=numel * 4, seconds=Measured(worst.min().item(), by="collective_times"),
                              world_size=world))
     return rows
 
