@@ -81,6 +81,8 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     formula's bytes of every collective; ``wire_bytes``: the bytes gloo measured on this rank's sockets),
     the weights after the step (``weights``: to check that both ways train alike) and ``psi``.
     """
+    if micro_batches < 1:
+        raise ValueError(f"accumulate needs at least one micro-batch, got micro_batches={micro_batches}")
     model, optimizer = build(plan)
     micro = _batches(model, plan, micro_batches)
     sync = plan.get("sync_every_micro_batch", True)
@@ -111,6 +113,10 @@ def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
     formula, all collectives), ``ring_rs`` (the same, reduce-scatters alone) and ``wire_bytes``
     (measured on this rank's sockets, on the loopback).
     """
+    sizes = {name: plan.get("batch_size", 8) for name, plan in plans.items()}
+    if len(set(sizes.values())) > 1:  # the rounds interleave the plans on the same batches
+        raise ValueError(f"link_times compares plans on one batch: got batch sizes {sizes}; "
+                         "give every plan the same batch_size, or time them in separate calls")
     runs = {name: build(plan) for name, plan in plans.items()}
     batch_plan = next(iter(plans.values()))
     batches = _batches(next(iter(runs.values()))[0], batch_plan, steps + 1)
