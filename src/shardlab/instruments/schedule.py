@@ -53,7 +53,7 @@ class Schedule:
 
     def ring_bytes(self, unit=None, kind=None) -> float:
         return sum(ring_bytes(r["kind"], r["numel"], self.world_size, r["dtype"].itemsize)
-                   for r in self.calls(unit, kind))
+                   for r in self.calls(unit, kind) if r["dtype"] is not None)  # None: no tensors, nothing sent
 
     def wire(self, unit=None, kind=None) -> float | Unavailable | None:
         """Measured wire bytes, if every record carries its own (``wire_bytes``); else None, or
