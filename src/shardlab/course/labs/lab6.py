@@ -82,7 +82,7 @@ def _link_formula(plan: dict) -> tuple[int, float]:
     """(collectives, seconds on the link by the α-β formula) of one step of ``plan``."""
     model, optimizer = symptoms.build(plan)
     batches = measure.data(model, batch_size=plan.get("batch_size", 8), steps=1)
-    with count_comm() as ledger:
+    with count_comm(wire=False) as ledger:
         measure.train_step(model, optimizer, *batches[0])
     return ledger.calls(), measure.predicted_link_s(ledger.records, dist.get_world_size(), LINK)
 
