@@ -79,7 +79,8 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     Returns ``grads_between`` (gradient bytes this rank holds after the first micro-batch),
     the ledger of the whole step (``reduce_scatters``: their calls; ``ring_formula_bytes``: the ring
     formula's bytes of every collective; ``wire_bytes``: the bytes gloo measured on this rank's sockets),
-    the weights after the step (``weights``: to check that both ways train alike) and ``psi``.
+    the weights after the step (``weights``: to check that both ways train alike), ``psi`` and the
+    engine's ``units`` (each pads its flat buffer by at most N-1 elements).
     """
     if micro_batches < 1:
         raise ValueError(f"accumulate needs at least one micro-batch, got micro_batches={micro_batches}")
@@ -98,6 +99,7 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     weights = full_state_dict(model)
     optimizer.zero_grad()
     return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
+                units=len(engine_of(model).units),
                 reduce_scatters=ledger.calls("reduce_scatter"),
                 ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), weights=weights)
 

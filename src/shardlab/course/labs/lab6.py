@@ -113,7 +113,7 @@ def _link_like_ddp(plan: dict) -> str:
 def _shard_of_gradient(plan: dict) -> str:
     run = symptoms.accumulate(plan)
     n, shard = dist.get_world_size(), 4 * run["psi"] / dist.get_world_size()
-    if run["grads_between"] > shard + 4 * 64 * n:  # padding: at most N-1 elements per unit
+    if run["grads_between"] > shard + 4 * (n - 1) * run["units"]:  # padding: at most N-1 elements per unit
         raise Hint(f"rerun with your fix: {run['grads_between']:,} B of gradient held between micro-batches, "
                    f"{run['grads_between'] / run['psi']:.2f} bytes per parameter; a shard is 4/{n}",
                    "when is a gradient sharded? Only once it is reduce-scattered", mistake="symptom_remains")
