@@ -168,3 +168,23 @@ def test_a_wire_column_appears_when_records_carry_wire_bytes(run):
     wired = Schedule([dict(c, wire_bytes=c["ring_bytes"]) for c in ours.records], ours.stream, n)
     assert wired.wire() == sum(c["ring_bytes"] for c in ours.records)
     assert "wire KB" in side_by_side(wired, theirs)
+
+
+def test_free_order_without_a_backward_mark_is_not_seen():
+    """No backward mark for a unit (FSDP2's repeated pre-backward, a record without events): the
+    forward's free must not be read as the backward's. Hand-built streams; no ranks."""
+    def schedule(stream):
+        phases = iter(["forward", "backward", "backward"])
+        records = [{"kind": w, "unit": u, "numel": 8, "dtype": torch.float32, "phase": next(phases),
+                    "reduce_op": "SUM"} for w, u in stream if w in ("all_gather", "reduce_scatter")]
+        return Schedule(records, stream, 2)
+
+    forward = [("all_gather", "blocks.0"), ("forward", "blocks.0"), ("free", "blocks.0")]
+    unmarked = schedule([*forward, ("all_gather", "blocks.0"), ("reduce_scatter", "blocks.0"), ("free", "blocks.0")])
+    marked = schedule([*forward, ("all_gather", "blocks.0"), ("backward", "blocks.0"),
+                       ("reduce_scatter", "blocks.0"), ("free", "blocks.0")])
+    assert free_before_reduce_scatter(unmarked, "blocks.0") is None
+    assert free_before_reduce_scatter(marked, "blocks.0") is False
+    named = {what: (a, b) for what, a, b in differences(unmarked, marked, root="none")}
+    assert named["backward: free and reduce-scatter"][0].startswith("not seen for blocks.0")
+    assert named["backward: free and reduce-scatter"][1] == "reduce-scatter, then free"

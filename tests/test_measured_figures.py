@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from shardlab.bench import figures
 from shardlab.bench import measured_figures as mf
-from shardlab.instruments import plots
+from shardlab.instruments import plots, time_plots
 
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 NAMES = ("timeline_prefetch", "timeline_no_prefetch", "memory_over_time")
@@ -66,7 +66,7 @@ def test_the_deterministic_set_leaves_them_out(tmp_path):
 
 
 def test_timeline_packs_overlaps_into_rows_and_marks_instants():
-    rows = plots._pack([dict(start=0, end=10), dict(start=1, end=2), dict(start=2, end=3), dict(start=5, end=12)])
+    rows = time_plots._pack([dict(start=0, end=10), dict(start=1, end=2), dict(start=2, end=3), dict(start=5, end=12)])
     assert [[(e["start"], e["end"]) for e in r] for r in rows] == [[(0, 10)], [(1, 2), (2, 3), (5, 12)]]
     fig = plots.timeline([dict(rank=0, lane="compute", kind="forward", unit="u", start=0.0, end=1.0),
                           dict(rank=0, lane="compute", kind="free", unit="u", start=1.0, end=1.0)])

@@ -1,12 +1,22 @@
 """Tagged values (instruments/measured.py): numbers that keep saying what produced them."""
 
+import copy
 import json
 import pickle
 import statistics
 
+import numpy as np
 import pytest
 
-from shardlab.instruments.measured import Formula, Measured, Published, describe, kind_of
+from shardlab.instruments.measured import (
+    Formula,
+    Measured,
+    Published,
+    describe,
+    kind_of,
+    require_measured,
+    tag_like,
+)
 
 
 def test_they_are_numbers_and_print_as_numbers():
@@ -26,6 +36,33 @@ def test_arithmetic_keeps_a_tag_only_among_one_kind():
     assert kind_of(round(Measured(2.567, by="t"), 2)) == "measured" and kind_of(abs(-m)) == "measured"
     assert kind_of(statistics.median([Measured(1.0, by="t"), Measured(2.0, by="t")])) == "measured"
     assert kind_of(m > f) == "plain"                       # a comparison is a bool, never tagged
+
+
+def test_a_plain_number_added_to_a_measurement_is_not_measured():
+    """``mem["total"] + 2 * psi`` mixes a measurement with a hand-written number: no longer measured."""
+    m = Measured(4000, by="memory_report")
+    assert kind_of(m + 5) == "plain" and kind_of(5 + m) == "plain" and kind_of(m - 5) == "plain"
+    assert kind_of(5 - m) == "plain" and kind_of(Published(144, source="p") + 1) == "plain"
+    assert kind_of(m + 0) == "measured" and kind_of(sum([m, m])) == "measured"   # sum() starts at 0
+    assert kind_of(m * 5) == "measured" and kind_of(m - m) == "measured"
+    with pytest.raises(TypeError, match="plain number"):
+        require_measured(m + 1234, "side_by_side")
+
+
+def test_tag_like_tags_inside_lists_tuples_and_numpy_numbers():
+    got = tag_like({"a": [1, 2.5], "b": (3, "x"), "c": np.int64(4), "d": np.float32(0.5)}, "formula", "f")
+    assert [kind_of(v) for v in got["a"]] == ["formula", "formula"] and type(got["b"]) is tuple
+    assert kind_of(got["b"][0]) == "formula" and got["b"][1] == "x"
+    assert kind_of(got["c"]) == "formula" and got["c"] == 4 and kind_of(got["d"]) == "formula"
+    assert kind_of(tag_like([1, 2], "measured", "x")) == "measured"
+    assert kind_of(tag_like(True, "formula", "f")) == "plain"          # a bool is not a number here
+
+
+def test_copying_a_tagged_list_copies_it():
+    order = Measured(["gather", "free"], by="trace")
+    for c in (copy.copy(order), copy.deepcopy(order)):
+        c.append("forward")
+        assert order == ["gather", "free"] and kind_of(c) == "measured" and c.by == "trace"
 
 
 def test_tags_survive_pickling_as_ranks_send_them():

@@ -171,6 +171,16 @@ def test_the_rules_have_teeth():
     assert any("not among the choices" in p for p in quiz_bank.problems(bad_key))
 
 
+def test_a_varied_question_needs_an_input_that_can_vary():
+    """Every input with one value: no learner's numbers could differ from the written ones."""
+    varied = next(q for b in quiz_bank.bank_files() for q in quiz_bank.questions(b) if q.vary)
+    assert quiz_bank.problems(varied) == []
+    fixed = {k: v[:1] for k, v in varied.vary["inputs"].items()}
+    stuck = quiz_bank.Question(**{**{k: getattr(varied, k) for k in varied.__dataclass_fields__},
+                                  "vary": {**varied.vary, "inputs": fixed}})
+    assert any("two or more values" in p for p in quiz_bank.problems(stuck))
+
+
 def _bank(tmp_path, name, questions, **extra):
     (tmp_path / f"{name}.json").write_text(json.dumps({"notebook": name, "questions": questions, **extra}))
 

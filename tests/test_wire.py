@@ -231,7 +231,9 @@ def test_a_thread_that_names_itself_gloo_after_a_scan_is_still_counted():
         written.set()
         read.wait(slowdown(30))  # alive until the meter has read it, as a gloo worker is
 
-    thread = threading.Thread(target=worker, daemon=True)
+    with open("/proc/self/comm") as f:  # the creator's OS name: CPython >= 3.14 names a thread after
+        creator = f.read().strip()       # its Thread.name, so give it the name c10d's workers inherit
+    thread = threading.Thread(target=worker, name=creator, daemon=True)
     thread.start()
     meter = wire.GlooWire()
     try:

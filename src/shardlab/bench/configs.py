@@ -123,7 +123,7 @@ def count_config_traffic(config: Config, model: nn.Module):
         counts[f"{kind}_bytes"] += numel * element_size
 
     if config.family == "shardlab":  # the engine's own ledger (shardlab.instruments.traffic)
-        with count_comm() as ledger:
+        with count_comm(wire=False) as ledger:
             yield counts
         for rec in ledger.records:
             add(rec["kind"], rec["numel"], rec["dtype"].itemsize)

@@ -17,7 +17,12 @@ def register_ranks_magic(shell, get_cluster) -> None:
 
     def ranks(line, cell):
         """%%ranks [timeout]: run this cell on every rank of the current cluster; output by rank."""
-        timeout = float(line) if line.strip() else None
+        try:
+            timeout = float(line) if line.strip() else None
+        except ValueError:
+            from IPython.core.error import UsageError  # only ever called under IPython
+
+            raise UsageError(f"%%ranks [timeout seconds], got {line.strip()!r}") from None
         # Named as Jupyter names the cell, body from line 2: a rank's traceback shows
         # "Cell In[10], line 3" and the line, as a failing ordinary cell would.
         name = f"Cell In[{getattr(shell, 'execution_count', '?')}]"

@@ -78,6 +78,9 @@ def problems(q: Question) -> list[str]:
             out.append(f"{q.id}: a numeric answer must be a number, got {q.answer!r}")
         if not isinstance(q.tolerance, (int, float)) or q.tolerance < 0 or not q.unit:
             out.append(f"{q.id}: a numeric question needs a tolerance >= 0 and a unit")
+        if q.vary is not None and not any(len(v) > 1 for v in q.vary.get("inputs", {}).values()):
+            out.append(f"{q.id}: vary.inputs needs at least one input with two or more values "
+                       "(a learner's numbers must differ from the written ones)")
         return out
     keys = q.answer if q.kind == "multiple" else [q.answer]
     if len(q.choices) < 2:

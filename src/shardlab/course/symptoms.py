@@ -79,8 +79,11 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     Returns ``grads_between`` (gradient bytes this rank holds after the first micro-batch),
     the ledger of the whole step (``reduce_scatters``: their calls; ``ring_formula_bytes``: the ring
     formula's bytes of every collective; ``wire_bytes``: the bytes gloo measured on this rank's sockets),
-    the weights after the step (``weights``: to check that both ways train alike) and ``psi``.
+    the weights after the step (``weights``: to check that both ways train alike), ``psi`` and the
+    engine's ``units`` (each pads its flat buffer by at most N-1 elements).
     """
+    if micro_batches < 1:
+        raise ValueError(f"accumulate needs at least one micro-batch, got micro_batches={micro_batches}")
     model, optimizer = build(plan)
     micro = _batches(model, plan, micro_batches)
     sync = plan.get("sync_every_micro_batch", True)
@@ -96,6 +99,7 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     weights = full_state_dict(model)
     optimizer.zero_grad()
     return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
+                units=len(engine_of(model).units),
                 reduce_scatters=ledger.calls("reduce_scatter"),
                 ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), weights=weights)
 
@@ -111,6 +115,10 @@ def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
     formula, all collectives), ``ring_rs`` (the same, reduce-scatters alone) and ``wire_bytes``
     (measured on this rank's sockets, on the loopback).
     """
+    sizes = {name: plan.get("batch_size", 8) for name, plan in plans.items()}
+    if len(set(sizes.values())) > 1:  # the rounds interleave the plans on the same batches
+        raise ValueError(f"link_times compares plans on one batch: got batch sizes {sizes}; "
+                         "give every plan the same batch_size, or time them in separate calls")
     runs = {name: build(plan) for name, plan in plans.items()}
     batch_plan = next(iter(plans.values()))
     batches = _batches(next(iter(runs.values()))[0], batch_plan, steps + 1)

@@ -44,7 +44,7 @@ class Call:
     op: str                       # the c10d operator, e.g. "_allgather_base_"
     numel: int                    # elements of the FULL buffer (the gathered one, or the one reduced)
     shard: int                    # elements of this rank's part (== numel for all-reduce, broadcast)
-    dtype: torch.dtype
+    dtype: torch.dtype | None    # None: a coalesced call with no tensors
     world_size: int
     order: int = 0                # place in the recorder's log
     unit: str | None = None       # whose weights or gradients it moves, when someone said so
@@ -55,6 +55,8 @@ class Call:
     def ring_bytes(self) -> int:
         """Bytes this rank sends on a ring: a FORMULA, the ledger's own (``traffic.ring_bytes``),
         (N-1)/N × the paper's volume × element size. Not what gloo wrote: that is ``wire_bytes``."""
+        if self.dtype is None:  # no tensors: nothing to send
+            return 0
         return round(traffic.ring_bytes(self.kind, self.numel, self.world_size, self.dtype.itemsize))
 
     def record(self) -> dict:
@@ -70,8 +72,12 @@ def numel_of(x) -> int:
     return 0
 
 
-def _dtype_of(x) -> torch.dtype:
-    return x.dtype if torch.is_tensor(x) else _dtype_of(x[0])
+def _dtype_of(x) -> torch.dtype | None:
+    """The element type of a tensor, or of a list's first; None for an empty list (a coalesced call
+    with no tensors, which sends nothing)."""
+    if torch.is_tensor(x):
+        return x.dtype
+    return _dtype_of(x[0]) if isinstance(x, (list, tuple)) and x else None
 
 
 def _reduce_op(args) -> str | None:

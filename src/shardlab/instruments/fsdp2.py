@@ -31,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
+from shardlab.engine import events
 from shardlab.instruments.collectives import Recorder
 
 
@@ -81,7 +82,7 @@ def _freeing(method, seen: Recorder):
         held = not group.is_sharded
         out = method(group, *args, **kwargs)
         if held and group.is_sharded:
-            seen.mark("free", unit_name(group))
+            seen.mark(events.FREE, unit_name(group))
         return out
 
     return run
@@ -97,8 +98,8 @@ def record_fully_shard():
         "unshard": _labelled(original["unshard"], seen),              # the all-gather (and prefetches)
         "post_backward": _labelled(original["post_backward"], seen),  # the reduce-scatter
         "reshard": _freeing(original["reshard"], seen),
-        "pre_forward": _marked(original["pre_forward"], seen, "forward"),
-        "pre_backward": _marked(original["pre_backward"], seen, "backward", once_in=TrainingState.PRE_BACKWARD),
+        "pre_forward": _marked(original["pre_forward"], seen, events.FORWARD),
+        "pre_backward": _marked(original["pre_backward"], seen, events.BACKWARD, once_in=TrainingState.PRE_BACKWARD),
     }
     try:
         for name, method in wrapped.items():

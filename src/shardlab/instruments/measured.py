@@ -14,9 +14,12 @@ before, and ``repr`` prints the bare number. The tag is ``.by``, ``.formula`` or
 
 What arithmetic does to the tag (``+ - * / // % **``, ``abs``, ``-x``, ``round``):
 
-* tagged with a plain number: the tag stays. ``report["total"] / psi`` is still measured (a
-  plain number scales it: a unit, a count of the model's own elements), ``4 * psi`` labelled
-  ``Formula`` stays a formula after ``/ 1e6``;
+* tagged times or over a plain number (``* / // % **``): the tag stays. ``report["total"] / psi``
+  is still measured (a plain number scales it: a unit, a count of the model's own elements),
+  ``4 * psi`` labelled ``Formula`` stays a formula after ``/ 1e6``;
+* tagged plus or minus a plain number other than 0: a plain number. ``report["total"] + 2 * psi``
+  mixes a measurement with a number written by hand, so it is no longer the measurement (tag the
+  added part if it is one). ``0 + x`` keeps the tag, so ``sum()`` of measurements is measured;
 * two values of the same kind: that kind, the tags joined (``Measured - Measured`` is measured);
 * two different kinds (``Measured / Formula``, a ratio of a measurement to its formula): a
   plain number. A comparison of a measurement with a formula is neither.
@@ -29,6 +32,8 @@ a tag, so it returns a plain number: use ``statistics.median`` (which keeps it) 
 
 from __future__ import annotations
 
+import copy
+import fractions
 import functools
 import math
 import numbers
@@ -80,11 +85,11 @@ class _Tagged:
     def __reduce_ex__(self, protocol):
         return self.__reduce__()
 
-    def __copy__(self):
-        return self
+    def __copy__(self):  # numbers and text are immutable; a tagged list is copied, as a list is
+        return type(self)(list(self), self.tag) if isinstance(self, list) else self
 
     def __deepcopy__(self, memo):
-        return self
+        return type(self)(copy.deepcopy(list(self), memo), self.tag) if isinstance(self, list) else self
 
 
 _PLAIN = {int: int, float: float, list: list, str: str}  # the common case, without the checks below
@@ -137,15 +142,22 @@ def _number(x) -> bool:
 
 
 def _binary(op):
+    shifts = op in (operator.add, operator.sub)
+
+    def tag(a, b, other):
+        if shifts and not isinstance(other, _Tagged) and other != 0:  # x + 1234: no longer what was measured
+            return None
+        return _result_tag(a, b)
+
     def forward(self, other):
         if not _number(other) or isinstance(self, (list, str)):
             return NotImplemented
-        return _wrap(op(_plain(self), _plain(other)), _result_tag(self, other))
+        return _wrap(op(_plain(self), _plain(other)), tag(self, other, other))
 
     def backward(self, other):
         if not _number(other) or isinstance(self, (list, str)):
             return NotImplemented
-        return _wrap(op(_plain(other), _plain(self)), _result_tag(other, self))
+        return _wrap(op(_plain(other), _plain(self)), tag(other, self, other))
 
     return forward, backward
 
@@ -226,12 +238,15 @@ def kind_of(value) -> str:
 
 def tag_like(value, kind: str, tag: str):
     """``value`` tagged as ``kind`` (``"measured"``, ``"formula"``, ``"published"``) with ``tag``;
-    dicts and lists tag each number inside (an instrument's report, a row of a table)."""
+    dicts, lists and tuples tag each number inside (an instrument's report, a row of a table)."""
     if isinstance(value, dict):
         return type(value)({k: tag_like(v, kind, tag) for k, v in value.items()}) \
             if type(value) is dict else _retag_dict(value, kind, tag)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):  # not a Fraction: kept exact
-        return KINDS[kind](value, tag)
+    if isinstance(value, (list, tuple)):
+        items = [tag_like(v, kind, tag) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, fractions.Fraction)):  # numpy too;
+        return KINDS[kind](value, tag)                                                       # a Fraction kept exact
     return value
 
 

@@ -1,68 +1,33 @@
 """The course's plots: formula beside measurement, one function per picture, each returning a Figure.
 
-Every figure has a title and labelled axes with units, and tells its series apart by hatches,
-markers and text as well as colour, so it reads in greyscale and for colour-blind readers.
-Figures are built with ``matplotlib.figure.Figure`` on an Agg canvas, never through pyplot:
-nothing global is switched (a notebook keeps its backend), nothing piles up in pyplot's
-figure list, and a returned figure displays once in Jupyter (via ``_repr_png_``).
-
-Input formats of the two measured plots, which ``shardlab.trace`` and ``shardlab.track_memory``
-produce:
-
-* ``timeline(events)``: a list of dicts, one per interval, with ``rank`` (int), ``lane``
-  (``"compute"`` or ``"comm"``), ``start`` and ``end`` (seconds on one clock for all ranks, such
-  as ``time.perf_counter()`` on one machine), and optionally ``kind`` (``"forward"``,
-  ``"backward"``, ``"step"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
-  ``"broadcast"``), ``unit`` (e.g. ``"blocks.0"``) and ``name`` (the bar's text; defaults to
-  ``kind unit``).
-* ``memory_over_time(samples)``: a list of dicts ``{"rank": int, "time": seconds, "bytes":
-  {category: bytes}}`` (categories such as ``params``, ``grads``, ``optimizer``, ``gathered``,
-  ``activations``), or a mapping ``rank -> [(time, {category: bytes}), ...]``.
+Every figure has a title and labelled axes with units. Here: memory and communication per stage
+as bars (the formula's bar beside the measured one) and the stage crossover against model size.
+The canvas and palette are :mod:`shardlab.instruments.figure`'s; the plots over time, ``timeline``
+and ``memory_over_time``, are :mod:`shardlab.instruments.time_plots`' and importable from here too.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from shardlab.instruments import memory_math as mm
+from shardlab.instruments.figure import (
+    COLORS,
+    HATCHES,
+    LINESTYLES,
+    MARKERS,
+    UNITS,
+    new_figure,
+    scale,
+)
 from shardlab.instruments.measured import require_measured
+from shardlab.instruments.time_plots import INSTANT_MARKERS, KIND_STYLE, memory_over_time, timeline
 
-COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
-HATCHES = ["//", "..", "xx", "\\\\", "oo", "--", "++", "**"]
-MARKERS = ["o", "s", "^", "D", "v", "P"]
-LINESTYLES = ["-", "--", "-.", ":"]
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-KIND_STYLE = {  # timeline bars: hatch per kind, so lanes read without colour
-    "forward": ("#4C72B0", ""), "backward": ("#55A868", ""), "step": ("#8172B3", ""),
-    "all_gather": ("#DD8452", "//"), "reduce_scatter": ("#C44E52", "\\\\"),
-    "all_reduce": ("#937860", "xx"), "broadcast": ("#8C8C8C", ".."),
-}
-
-
-class _Figure(Figure):
-    """A Figure that shows itself in Jupyter without pyplot (and only once)."""
-
-    def _repr_png_(self):
-        buf = io.BytesIO()
-        self.savefig(buf, format="png")
-        return buf.getvalue()
-
-
-def new_figure(width=7.0, height=4.0, **kwargs) -> Figure:
-    fig = _Figure(figsize=(width, height), layout="constrained", **kwargs)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _scale(unit: str) -> float:
-    if unit not in UNITS:
-        raise ValueError(f"unknown unit {unit!r}; choose one of {list(UNITS)}")
-    return UNITS[unit]
+__all__ = ["COLORS", "HATCHES", "INSTANT_MARKERS", "KIND_STYLE", "LINESTYLES", "MARKERS", "UNITS", "comm_volume",
+           "crossover", "memory_bars", "memory_over_time", "new_figure", "timeline"]
 
 
 def _parts(value) -> dict:
@@ -118,7 +83,7 @@ def memory_bars(formula: Mapping, measured: Mapping | None = None, *, unit="GB",
     """
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
-    _stacked_bars(ax, formula, measured, _scale(unit), "{:.3g}")
+    _stacked_bars(ax, formula, measured, scale(unit), "{:.3g}")
     ax.set_title(title or "Model-state memory per device" + (f" ({subtitle})" if subtitle else ""))
     ax.set_xlabel("stage")
     ax.set_ylabel(f"memory per device ({unit})")
@@ -179,133 +144,4 @@ def crossover(world_size=8, gpu_memory_gb=80.0, recipe="mixed-adam", sizes=None,
     ax.set_ylabel("model states per device (GB, 10^9 bytes)")
     ax.grid(True, which="major", linewidth=0.4, alpha=0.5)
     ax.legend(loc="upper left", fontsize=8)
-    return fig
-
-
-def _label(e: Mapping) -> str:
-    """A bar's text: its ``name``, else its unit (the kind is in the legend), else its kind."""
-    return str(e.get("name") or e.get("unit") or e.get("kind") or "")
-
-
-def _pack(intervals: list) -> list[list]:
-    """Sub-rows in which no two intervals overlap (greedy, by start): a unit that contains
-    others, like the root around the blocks, or async collectives in flight together, each
-    get their own row instead of hiding one another."""
-    rows: list[list] = []
-    for e in sorted(intervals, key=lambda e: (e["start"], -e["end"])):
-        row = next((r for r in rows if r[-1]["end"] <= e["start"]), None)
-        rows.append([e]) if row is None else row.append(e)
-    return rows or [[]]
-
-
-INSTANT_MARKERS = {"free": ("v", "black"), "backward_done": ("|", "#55A868")}
-
-
-def timeline(events, *, title="Per-rank timeline: compute and communication", time_unit="ms",
-             note: str | None = None) -> Figure:
-    """A Gantt chart: for each rank, a compute lane and a communication lane (format in module doc).
-
-    Intervals that overlap within a lane go to sub-rows; instants (``start == end``, e.g.
-    ``free``) are drawn as markers. Bars are labelled with their unit when they are wide enough.
-    ``note`` (how to read the chart) goes under the legend, so the title stays one line.
-    """
-    events = list(events)
-    if not events:
-        raise ValueError("timeline needs at least one event")
-    for e in events:
-        missing = {"rank", "lane", "start", "end"} - set(e)
-        if missing or e["lane"] not in ("compute", "comm"):
-            raise ValueError(f"timeline event {e!r} needs rank, start, end and lane 'compute' or 'comm'")
-    scale = {"s": 1, "ms": 1e3, "us": 1e6}[time_unit]
-    t0 = min(e["start"] for e in events)
-    span = max(max(e["end"] for e in events) - t0, 1e-12) * scale
-    ranks = sorted({e["rank"] for e in events})
-    lanes = {(r, lane): _pack([e for e in events if e["rank"] == r and e["lane"] == lane and e["end"] > e["start"]])
-             for r in ranks for lane in ("compute", "comm")}
-    fig = new_figure(10.0, 1.4 + 0.3 * sum(map(len, lanes.values())) + 0.3 * len(ranks))
-    ax = fig.add_subplot()
-    yticks, ylabels, seen, y = [], [], {}, 0.0
-    for rank in ranks:
-        for lane in ("compute", "comm"):
-            rows = lanes[(rank, lane)]
-            yticks.append(y - (len(rows) - 1) / 2)
-            ylabels.append(f"rank {rank} {lane}")
-            for k, row in enumerate(rows):
-                for e in row:
-                    kind = e.get("kind") or lane
-                    color, hatch = KIND_STYLE.get(kind, ("#BBBBBB", "" if lane == "compute" else "++"))
-                    x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
-                    ax.barh(y - k, w, left=x, height=0.8, color=color, hatch=hatch, edgecolor="black", linewidth=0.5)
-                    seen.setdefault(kind, Patch(facecolor=color, hatch=hatch, edgecolor="black", label=kind))
-                    text = _label(e)
-                    if text and w / span > 0.009 * (len(text) + 1):  # only where it fits (~6 px a character)
-                        ax.text(x + w / 2, y - k, text, ha="center", va="center", fontsize=8, clip_on=True,
-                                bbox=dict(facecolor="white", alpha=0.75, linewidth=0, pad=0.6))
-            for e in (e for e in events if e["rank"] == rank and e["lane"] == lane and e["end"] <= e["start"]):
-                kind = e.get("kind") or "instant"
-                marker, color = INSTANT_MARKERS.get(kind, ("d", "black"))
-                ax.plot([(e["start"] - t0) * scale], [y + 0.5], marker=marker, color=color, markersize=5,
-                        linestyle="none", label=kind)
-                seen.setdefault(kind, ax.lines[-1])
-            y -= len(rows) + 0.4
-        ax.axhline(y + 0.6, color="grey", linewidth=0.6)
-        y -= 0.4
-    ax.set_yticks(yticks, ylabels, fontsize=8)
-    ax.set_ylim(y + 0.6, 1.0)
-    ax.set_xlim(left=0)
-    ax.set_xlabel(f"time since first event ({time_unit})")
-    ax.set_ylabel("rank and lane")
-    ax.set_title(title)
-    legend = ax.legend(handles=list(seen.values()), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    if note:
-        ax.add_artist(legend)
-        ax.annotate(note, xy=(1.01, 0.0), xycoords="axes fraction", ha="left", va="bottom", fontsize=7.5,
-                    wrap=False)
-    return fig
-
-
-def _samples_by_rank(samples) -> dict:
-    out: dict[int, list] = {}
-    if isinstance(samples, Mapping):
-        for rank, rows in samples.items():
-            out[rank] = [(t, dict(b)) for t, b in rows]
-    else:
-        for s in samples:
-            if not {"rank", "time", "bytes"} <= set(s):
-                raise ValueError(f"memory sample {s!r} needs rank, time and bytes ({{category: bytes}})")
-            out.setdefault(s["rank"], []).append((s["time"], dict(s["bytes"])))
-    if not out or not any(out.values()):
-        raise ValueError("memory_over_time needs at least one sample")
-    return {r: sorted(rows, key=lambda row: row[0]) for r, rows in sorted(out.items())}
-
-
-def memory_over_time(samples, *, unit="MB", title="Memory over time, by category", marks=()) -> Figure:
-    """Stacked memory per category over time, one panel per rank (format in module doc).
-
-    Each sample holds until the next one (a step plot), as memory changes at events.
-
-    ``marks`` is an optional list of ``(time, label)`` drawn as dotted vertical lines, e.g.
-    the start of backward or the optimizer step.
-    """
-    by_rank = _samples_by_rank(samples)
-    divisor = _scale(unit)
-    t0 = min(rows[0][0] for rows in by_rank.values())
-    cats = list(dict.fromkeys(c for rows in by_rank.values() for _, b in rows for c in b))
-    fig = new_figure(8.0, 1.2 + 2.2 * len(by_rank))
-    axes = fig.subplots(len(by_rank), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (rank, rows) in zip(axes, by_rank.items()):
-        ts = [(t - t0) * 1e3 for t, _ in rows]
-        ys = [[b.get(c, 0) / divisor for _, b in rows] for c in cats]
-        polys = ax.stackplot(ts, ys, labels=cats, colors=[COLORS[i % 8] for i in range(len(cats))],
-                             edgecolor="black", linewidth=0.4, step="post")
-        for i, p in enumerate(polys):
-            p.set_hatch(HATCHES[i % 8])
-        for t, text in marks:
-            ax.axvline((t - t0) * 1e3, color="black", linestyle=":", linewidth=1)
-            ax.annotate(text, ((t - t0) * 1e3, 1), xycoords=("data", "axes fraction"), xytext=(2, -10),
-                        textcoords="offset points", fontsize=7)
-        ax.set_ylabel(f"rank {rank} ({unit})")
-    axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes[-1].set_xlabel("time since first sample (ms)")
-    fig.suptitle(title)
     return fig

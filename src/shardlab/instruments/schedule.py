@@ -26,7 +26,7 @@ from shardlab.instruments.traffic import ring_bytes
 from shardlab.instruments.wire import Unavailable
 
 SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
-         "forward": "F", "backward": "B", "free": "free"}
+         events.FORWARD: "F", events.BACKWARD: "B", events.FREE: "free"}
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class Schedule:
 
     def ring_bytes(self, unit=None, kind=None) -> float:
         return sum(ring_bytes(r["kind"], r["numel"], self.world_size, r["dtype"].itemsize)
-                   for r in self.calls(unit, kind))
+                   for r in self.calls(unit, kind) if r["dtype"] is not None)  # None: no tensors, nothing sent
 
     def wire(self, unit=None, kind=None) -> float | Unavailable | None:
         """Measured wire bytes, if every record carries its own (``wire_bytes``); else None, or
@@ -147,10 +147,17 @@ def side_by_side(ours: Schedule, theirs: Schedule, labels=("ShardLab stage 3", "
 
 # -- what differs, read off the two schedules ----------------------------------------------------
 def free_before_reduce_scatter(s: Schedule, unit: str) -> bool | None:
-    """In backward: does ``unit`` free its gathered weights before issuing its reduce-scatter?"""
-    stream = s.stream[max((i for i, (w, u) in enumerate(s.stream) if w == "backward" and u == unit), default=0):]
+    """In backward: does ``unit`` free its gathered weights before issuing its reduce-scatter?
+
+    None when the stream holds no backward mark for ``unit`` (or no free or reduce-scatter after
+    it): searching from the start instead would find the forward's free and answer wrongly.
+    """
+    begin = max((i for i, (w, u) in enumerate(s.stream) if w == events.BACKWARD and u == unit), default=None)
+    if begin is None:
+        return None
+    stream = s.stream[begin:]
     rs = next((i for i, (w, u) in enumerate(stream) if w == "reduce_scatter" and u == unit), None)
-    free = next((i for i, (w, u) in enumerate(stream) if w == "free" and u == unit), None)
+    free = next((i for i, (w, u) in enumerate(stream) if w == events.FREE and u == unit), None)
     return None if rs is None or free is None else free < rs
 
 
@@ -172,7 +179,7 @@ def prefetched(s: Schedule, phase: str) -> list[str]:
 
 def _index(s: Schedule, stream_position: int) -> int:
     """The record of the collective at ``stream_position`` (collectives appear in both in order)."""
-    return sum(w not in ("forward", "backward", "free") for w, _ in s.stream[:stream_position])
+    return sum(w not in (events.FORWARD, events.BACKWARD, events.FREE) for w, _ in s.stream[:stream_position])
 
 
 def reductions(s: Schedule) -> list[str]:
@@ -185,9 +192,12 @@ def differences(ours: Schedule, theirs: Schedule, root: str = "root") -> list[tu
     both = [u for u in ours.units() if u in theirs.units() and u != root]
 
     def free_order(s):
-        got = {free_before_reduce_scatter(s, u) for u in both}
+        got = {u: free_before_reduce_scatter(s, u) for u in both}
+        unseen = [u for u, g in got.items() if g is None]
+        if unseen:
+            return f"not seen for {', '.join(map(str, unseen))} (no backward mark, free or reduce-scatter)"
         return {frozenset({True}): "free, then reduce-scatter", frozenset({False}): "reduce-scatter, then free"}.get(
-            frozenset(got), f"mixed: {got}")
+            frozenset(got.values()), f"mixed: {got}")
 
     return [
         ("elements all-gathered (padding)", f"{ours.numel(kind='all_gather'):,}", f"{theirs.numel(kind='all_gather'):,}"),

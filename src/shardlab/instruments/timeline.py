@@ -65,9 +65,9 @@ class Timeline:
             if start is not None:
                 self._add("compute", kind, unit, start, t, phase=f["phase"])
             if name == events.BACKWARD_DONE:
-                self._add("compute", "backward_done", unit, t, t, phase=f["phase"])
+                self._add("compute", events.BACKWARD_DONE, unit, t, t, phase=f["phase"])
         elif name == events.FREE:
-            self._add("compute", "free", unit, t, t, phase=f["phase"])
+            self._add("compute", events.FREE, unit, t, t, phase=f["phase"])
         elif name == events.STEP_START:
             self._open[("step", None)] = t
         elif name == events.STEP_END:

@@ -129,8 +129,8 @@ def check_prefetch_next(fn) -> str:
                        "prefetch only if there is one", "compare the index with len(order) first",
                        mistake="past_the_end") from None
         during = [(name, kind) for name, kind, _ in log[before:]]
-        calls["issued"] += during.count(("comm", "all_gather"))
-        calls["waited"] += during.count(("comm_done", "all_gather"))
+        calls["issued"] += during.count((events.COMM, "all_gather"))
+        calls["waited"] += during.count((events.COMM_DONE, "all_gather"))
 
     log, most = [], [0]
     model, optimizer, engine = _stage3(guarded)
@@ -149,7 +149,7 @@ def check_prefetch_next(fn) -> str:
         _step(ref_model, ref_opt, *lab_model.batch(rank, step))
     reference = api.full_state_dict(ref_model)
     n = len(engine.units)
-    gathers = [i for i, (name, kind, _) in enumerate(log) if name == "comm" and kind == "all_gather"]
+    gathers = [i for i, (name, kind, _) in enumerate(log) if name == events.COMM and kind == "all_gather"]
     if len(gathers) > 2 * n * steps:
         raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
                    "forward, once for backward): you prefetched units that had already run",
@@ -166,7 +166,7 @@ def check_prefetch_next(fn) -> str:
     hidden = 0
     for i in gathers:
         unit = log[i][2]
-        j = next(k for k in range(i + 1, len(log)) if log[k][:3] == ("comm_done", "all_gather", unit))
+        j = next(k for k in range(i + 1, len(log)) if log[k][:3] == (events.COMM_DONE, "all_gather", unit))
         hidden += j > i + 1  # the rank did something (ran a unit) before it waited
     want = 2 * (n - 1) * steps
     if hidden < want:
@@ -211,7 +211,7 @@ def _measure(prefetch_next, link: str, steps: int, d: int) -> dict:
         cost = [0.0]
 
         def book(name, f, cost=cost):
-            if name == "comm" and f["kind"] == "all_gather":
+            if name == events.COMM and f["kind"] == "all_gather":
                 cost[0] += link_delay("all_gather", f["numel"], f["dtype"], f["world_size"],
                                       emulator.link.bandwidth_gbps, emulator.link.latency_us)
 

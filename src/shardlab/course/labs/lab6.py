@@ -82,7 +82,7 @@ def _link_formula(plan: dict) -> tuple[int, float]:
     """(collectives, seconds on the link by the α-β formula) of one step of ``plan``."""
     model, optimizer = symptoms.build(plan)
     batches = measure.data(model, batch_size=plan.get("batch_size", 8), steps=1)
-    with count_comm() as ledger:
+    with count_comm(wire=False) as ledger:
         measure.train_step(model, optimizer, *batches[0])
     return ledger.calls(), measure.predicted_link_s(ledger.records, dist.get_world_size(), LINK)
 
@@ -113,7 +113,7 @@ def _link_like_ddp(plan: dict) -> str:
 def _shard_of_gradient(plan: dict) -> str:
     run = symptoms.accumulate(plan)
     n, shard = dist.get_world_size(), 4 * run["psi"] / dist.get_world_size()
-    if run["grads_between"] > shard + 4 * 64 * n:  # padding: at most N-1 elements per unit
+    if run["grads_between"] > shard + 4 * (n - 1) * run["units"]:  # padding: at most N-1 elements per unit
         raise Hint(f"rerun with your fix: {run['grads_between']:,} B of gradient held between micro-batches, "
                    f"{run['grads_between'] / run['psi']:.2f} bytes per parameter; a shard is 4/{n}",
                    "when is a gradient sharded? Only once it is reduce-scattered", mistake="symptom_remains")

@@ -136,8 +136,8 @@ class Trace:
                           unit.module.register_forward_hook(lambda m, a, o: self.add("forward_done", unit.name))]
 
     def on_event(self, name: str, fields: dict) -> None:
-        if name in ("comm", "comm_done"):
-            self.add(fields["kind"] + ("" if name == "comm" else "_done"), fields.get("unit"))
+        if name in (events.COMM, events.COMM_DONE):
+            self.add(fields["kind"] + ("" if name == events.COMM else "_done"), fields.get("unit"))
 
     def listen(self):
         return events.listen(self.on_event)

@@ -1,0 +1,29 @@
+"""The private torch names the instruments lean on, checked in one place against the torch installed.
+
+``instruments/fsdp2.py`` wraps FSDP2's parameter-group methods and reads its training state;
+``instruments/collectives.py`` reads a ReduceOp's TorchScript type name; ``course/symptoms.py``
+reads the default group's timeout. None of them is public API (tested on torch 2.13): when an
+upgrade renames one, this test names it, instead of an AttributeError deep in a live run.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+WHERE = f"torch {torch.__version__} (ShardLab is tested on 2.13)"
+
+
+def test_fsdp2_names_fsdp2_py_wraps_and_reads():
+    missing = [m for m in ("unshard", "post_backward", "reshard", "pre_forward", "pre_backward")
+               if not callable(getattr(FSDPParamGroup, m, None))]
+    assert not missing, f"{WHERE}: FSDPParamGroup lacks {missing}; update instruments/fsdp2.py"
+    assert hasattr(TrainingState, "PRE_BACKWARD"), f"{WHERE}: TrainingState.PRE_BACKWARD is gone"
+    assert torch._C._current_graph_task_id() == -1, f"{WHERE}: _current_graph_task_id changed outside backward"
+
+
+def test_the_reduce_op_and_group_internals():
+    assert callable(getattr(torch.ScriptObject, "_type", None)), f"{WHERE}: ScriptObject._type is gone (collectives.py)"
+    c10d = dist.distributed_c10d
+    assert callable(getattr(c10d, "_get_default_group", None)), f"{WHERE}: _get_default_group is gone (symptoms.py)"
+    assert callable(getattr(dist.ProcessGroup, "_get_backend", None)), f"{WHERE}: ProcessGroup._get_backend is gone"
