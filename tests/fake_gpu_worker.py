@@ -57,30 +57,62 @@ from shardlab.engine import comm  # noqa: E402
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "equal", "nonzero"}
 
 
-class CountSyncs(TorchFunctionMode):
-    """Device tensors fake, host bookkeeping real; every read of a device value counted as a sync.
+SYNCS_SEEN: list[tuple[str, str]] = []
+NEUTRAL = {"equal": lambda t: True, "__bool__": lambda t: True, "tolist": lambda t: [False] * t.numel()}
 
-    Fake tensors have no values, so a read answers neutrally (``torch.equal`` -> True, ``bool()``
-    -> True, ``.tolist()`` -> all False) and is recorded with the engine file that asked.
+
+def _count(name, original):
+    """``original`` (a read of a tensor's value), counted when it reads a fake device tensor.
+
+    Patched on ``torch.Tensor``, not caught in a TorchFunctionMode: modes are per thread, and
+    the autograd engine runs backward (the engine's hooks, its end-of-backward callback) on the
+    device's own thread. Fake tensors have no values, so the read answers neutrally.
     """
 
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[tuple[str, str]] = []
+    def read(t, *args, **kwargs):
+        if isinstance(t, torch.Tensor) and is_fake(t) and t.device.type == DEVICE:
+            caller = next((f.filename.rsplit("/", 1)[-1] for f in reversed(traceback.extract_stack()[:-1])
+                           if "/shardlab/" in f.filename), "?")
+            SYNCS_SEEN.append((caller, name))
+            return NEUTRAL.get(name, lambda t: 0)(t)
+        return original(t, *args, **kwargs)
+
+    return read
+
+
+for _name in SYNCS - {"equal", "nonzero"}:
+    setattr(torch.Tensor, _name, _count(_name, getattr(torch.Tensor, _name)))
+torch.equal = _count("equal", torch.equal)
+torch.nonzero = _count("nonzero", torch.nonzero)
+torch.Tensor.nonzero = _count("nonzero", torch.Tensor.nonzero)
+
+
+_tensor = torch.tensor
+
+
+def _tensor_on_fake_device(data, *args, device=None, **kwargs):
+    """``torch.tensor(host data, device=fakegpu)``: only its shape and dtype exist on a fake device
+    (FakeTensorMode's own rule for this is per thread too, and backward runs on the device's)."""
+    if device is None or torch.device(device).type != DEVICE:
+        return _tensor(data, *args, device=device, **kwargs)
+    with unset_fake_temporarily():
+        host = _tensor(data, *args, **kwargs)
+    return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+
+torch.tensor = _tensor_on_fake_device
+
+
+class HostRealDeviceFake(TorchFunctionMode):
+    """Device tensors fake, host bookkeeping real (Python ints into a CPU tensor and back)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_leaves((args, kwargs))
         if not any(isinstance(a, torch.Tensor) and is_fake(a) for a in leaves) \
                 and DEVICE not in str(kwargs.get("device", "")):
-            with unset_fake_temporarily():  # Python ints into a CPU tensor and back: real values
+            with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if name in SYNCS and isinstance(args[0], torch.Tensor) and args[0].device.type == DEVICE:
-            caller = next((f.filename.rsplit("/", 1)[-1] for f in reversed(traceback.extract_stack()[:-1])
-                           if "/shardlab/" in f.filename), "?")
-            self.syncs.append((caller, name))
-            return {"equal": True, "__bool__": True, "tolist": [False] * args[0].numel()}.get(name, 0)
         return func(*args, **kwargs)
 
 
@@ -120,12 +152,13 @@ def trace(world: int, stage: int, bf16: bool) -> dict:
             with torch.device(DEVICE), NoInit():
                 model = models.gpt("tiny")
             params = sum(p.numel() for p in model.parameters())
-            mode = CountSyncs()
+            mode = HostRealDeviceFake()
+            SYNCS_SEEN.clear()
             with mode:
                 precision = shardlab.MixedPrecision() if bf16 else None
                 model, opt = shardlab.parallelize(model, stage=stage, mixed_precision=precision)
-            startup, startup_calls = list(mode.syncs), len(seen)
-            mode.syncs.clear()
+            startup, startup_calls = list(SYNCS_SEEN), len(seen)
+            SYNCS_SEEN.clear()
             cfg = models.SIZES["tiny"]
             x = torch.randint(0, cfg.vocab, (2, cfg.seq), device=DEVICE)
             y = torch.randint(0, cfg.vocab, (2, cfg.seq), device=DEVICE)
@@ -138,7 +171,7 @@ def trace(world: int, stage: int, bf16: bool) -> dict:
             state = [v for s in getattr(opt, "inner", opt).state.values() for v in s.values() if torch.is_tensor(v)]
             return dict(
                 world=world, stage=stage, bf16=bf16, params=params, loss_device=str(loss.device),
-                startup_syncs=startup, step_syncs=mode.syncs,
+                startup_syncs=startup, step_syncs=list(SYNCS_SEEN),
                 startup_calls=seen[:startup_calls], step_calls=seen[startup_calls:],
                 units=len(units), numel=[u.numel for u in units], padded=[u.padded_numel for u in units],
                 weights=_nbytes(u.full for u in units) if not engine.shards_params else 0,

@@ -29,6 +29,7 @@ checks (same model on every rank; the backend keeps -0.0's sign), host syncs out
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -178,11 +179,19 @@ STEP_CONFIGS = [(w, s, bf16) for w in (2, 8) for s, bf16 in ((0, False), (1, Fal
 STEP_CONFIGS += [(3, 3, False), (3, 3, True)]  # a world size that doesn't divide: padding in every unit
 
 
-@pytest.fixture(scope="module")
-def traced_steps():
+@functools.cache
+def _run_worker() -> subprocess.CompletedProcess:
+    """Once per session, even when it fails (a failing module fixture would run again per test)."""
     worker = Path(__file__).with_name("fake_gpu_worker.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(shardlab.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(worker), json.dumps(STEP_CONFIGS)], capture_output=True, text=True, env=env, timeout=slowdown(120))
+    src = str(Path(shardlab.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, str(worker), json.dumps(STEP_CONFIGS)], capture_output=True, text=True,
+                          env=env, timeout=slowdown(120))
+
+
+@pytest.fixture
+def traced_steps():
+    done = _run_worker()
     assert done.returncode == 0, f"the fake-GPU step worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
     return {(r["world"], r["stage"], r["bf16"]): r for r in json.loads(done.stdout)}
 
