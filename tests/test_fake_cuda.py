@@ -1,18 +1,26 @@
-"""The engine's CUDA path without a GPU: fake CUDA tensors (FakeTensorMode) and torch's fake group.
+"""The engine's GPU path without a GPU: fake device tensors (FakeTensorMode) and torch's fake group.
 
-Under ``FakeTensorMode`` a CPU-only torch makes ``device="cuda"`` tensors that have shapes,
-dtypes and devices but no values, and the ``fake`` process group accepts collectives without a
-network. On them: ``parallelize`` at stages 0-3 (and bf16 at stage 3), world sizes 2 and 8, then
-a forward pass, checking that every collective's tensors are CUDA tensors (NCCL carries only
-those: a CPU tensor would fail there), and counting the host syncs (``.item()``, ``.tolist()``,
-``.cpu()``, ``bool()``, ``torch.equal``...) against an allow-list that says why each is there.
+Under ``FakeTensorMode`` a CPU-only torch makes device tensors that have shapes, dtypes and
+devices but no values, and the ``fake`` process group accepts collectives without a network.
+Two checks, at stages 0-3 and bf16 at stage 3, world sizes 2 and 8:
 
-What this cannot reach, said plainly: the backward pass and the optimizer step. On a CPU-only
-build the autograd engine needs a CUDA device guard for CUDA tensors and aborts the process
-("PyTorch is not linked with support for cuda devices"), so the gradients' reduce-scatters and
-missing_grads.py's ``.tolist()`` on every backward are not counted here. And what only a real
-GPU can show: NCCL's bandwidth, how much communication overlaps compute, the real peak memory,
-and the kernels. ``workshop/gpu_check.py --record`` measures those on the first GPU node.
+* start-up and a forward pass on ``device="cuda"`` tensors, in this process;
+* a whole training step (forward, backward with the engine's hooks: reduce-scatters or
+  all-reduces, stage 3's re-gathers; the optimizer step) on torch's Python stand-in accelerator
+  ``fakegpu``, in a process of its own (``fake_gpu_worker.py``), also at world size 3. A CPU
+  build cannot run the autograd engine over ``"cuda"`` tensors: it needs a CUDA device guard
+  and CUDA's streams, compiled in (the process aborts: "PyTorch is not linked with support for
+  cuda devices"). The engine treats the stand-in as it treats CUDA: an accelerator device, with
+  streams and a device thread. The engine has no ``"cuda"`` branch of its own to miss.
+
+Both check that every collective's tensors are device tensors (NCCL carries only those: a CPU
+tensor would fail there), count the host syncs (``.item()``, ``.tolist()``, ``.cpu()``,
+``bool()``, ``torch.equal``...) against an allow-list that says why each is there, and the step
+also sets rank 0's model-state bytes, read from the fake tensors, beside ``memory_math``.
+
+What only a real GPU can show, said plainly: NCCL's bandwidth, how much communication overlaps
+compute, the real peak memory (allocator, fragmentation, NCCL's own buffers), and the kernels.
+``workshop/gpu_check.py --record`` measures those on the first GPU node.
 
 Fake tensors have no values, so the few reads of a value answer neutrally here and are counted:
 ``torch.equal`` -> True, ``bool()`` -> True, ``.tolist()`` -> all False. They are the start-up
@@ -21,9 +29,17 @@ checks (same model on every rank; the backend keeps -0.0's sign), host syncs out
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+from support import slowdown
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -32,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 import shardlab
 from shardlab import models
 from shardlab.engine import comm
+from shardlab.instruments import memory_math as mm
 
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "equal", "nonzero"}
 # Where a start-up sync is expected, and why (file of the engine that reads a value).
@@ -39,8 +56,8 @@ STARTUP_ALLOWED = {
     ("units.py", "equal"): "check_same_model_on_every_rank: every rank built the same units",
     ("missing_grads.py", "__bool__"): "check_backend_keeps_sign: the backend keeps -0.0's sign bit",
 }
-# Syncs allowed inside the step. Empty for the forward; the backward (not reachable here) has
-# missing_grads.py's .tolist() on every backward, which branch `engine` is moving off the hot path.
+# Syncs allowed inside the step: none. missing_grads.py reads the reduced gradient (.tolist())
+# only for a unit where this rank gave some param no gradient; a dense step has none.
 STEP_ALLOWED: dict = {}
 
 
@@ -153,3 +170,79 @@ def test_a_step_on_fake_cuda_sends_only_cuda_tensors_and_syncs_only_where_allowe
     assert not unexpected, f"start-up host syncs nobody allowed: {unexpected}"
     assert set(startup) == set(STARTUP_ALLOWED), f"an allowed start-up sync is gone: tighten STARTUP_ALLOWED ({startup})"
     assert mode.syncs == [] and not STEP_ALLOWED, f"host syncs in the forward: {mode.syncs}"
+
+
+# -- the whole step: forward, backward with the engine's hooks, optimizer step ----------------
+# In a process of its own (fake_gpu_worker.py says why it runs on torch's Python stand-in device
+# there, and not on "cuda"), every configuration in one run: one torch import for all of them.
+STEP_CONFIGS = [(w, s, bf16) for w in (2, 8) for s, bf16 in ((0, False), (1, False), (2, False), (3, False), (3, True))]
+STEP_CONFIGS += [(3, 3, False), (3, 3, True)]  # a world size that doesn't divide: padding in every unit
+
+
+@functools.cache
+def _run_worker() -> subprocess.CompletedProcess:
+    """Once per session, even when it fails (a failing module fixture would run again per test)."""
+    worker = Path(__file__).with_name("fake_gpu_worker.py")
+    src = str(Path(shardlab.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, str(worker), json.dumps(STEP_CONFIGS)], capture_output=True, text=True,
+                          env=env, timeout=slowdown(120))
+
+
+@pytest.fixture
+def traced_steps():
+    done = _run_worker()
+    assert done.returncode == 0, f"the fake-GPU step worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    return {(r["world"], r["stage"], r["bf16"]): r for r in json.loads(done.stdout)}
+
+
+@pytest.mark.parametrize("world, stage, bf16", STEP_CONFIGS)
+def test_a_whole_step_on_a_fake_gpu_sends_only_device_tensors_and_reads_nothing_on_the_host(traced_steps, world, stage, bf16):
+    """Backward's reduce-scatters (all-reduces at stage 0), stage 3's re-gathers and the step's
+    gathers all carry device tensors; the step makes no host sync (missing_grads.py reads the
+    reduced gradient only for a unit where this rank gave some param no gradient: none here)."""
+    r = traced_steps[(world, stage, bf16)]
+    assert r["loss_device"].startswith("fakegpu")
+    for kind, devices, _ in r["startup_calls"] + r["step_calls"]:
+        assert devices and all(d.startswith("fakegpu") for d in devices), f"{kind} got tensors on {devices}"
+    kinds = [kind for kind, _, _ in r["step_calls"]]
+    units = r["units"]
+    if stage == 0:
+        assert kinds == ["all_reduce"] * units  # one bucket per unit
+    else:
+        assert kinds.count("reduce_scatter") == units and "all_reduce" not in kinds
+        gathers = kinds.count("all_gather")
+        # stages 1-2: the updated shards, once per unit; stage 3: the forward's gathers and backward's re-gathers
+        assert gathers == units if stage < 3 else gathers > units
+    if bf16:  # weights gathered in bf16, gradients reduced in fp32 (MixedPrecision's defaults)
+        assert {dt for kind, _, dts in r["step_calls"] if kind == "all_gather" for dt in dts} == {"torch.bfloat16"}
+        assert {dt for kind, _, dts in r["step_calls"] if kind == "reduce_scatter" for dt in dts} == {"torch.float32"}
+    assert set(map(tuple, r["startup_syncs"])) == set(STARTUP_ALLOWED), f"start-up syncs changed: {r['startup_syncs']}"
+    unexpected = [s for s in r["step_syncs"] if tuple(s) not in STEP_ALLOWED]
+    assert not unexpected, f"host syncs in the step nobody allowed: {unexpected}"
+    assert r["grad_devices"] == r["state_devices"] == ["fakegpu:0"]
+
+
+@pytest.mark.parametrize("world, stage, bf16", STEP_CONFIGS)
+def test_model_states_on_fake_tensors_equal_the_formula(traced_steps, world, stage, bf16):
+    """Rank 0's bytes after the step, from the fake tensors' shapes and dtypes, against
+    ``memory_math.model_state_breakdown`` on padded Ψ (as ``test_memory_measured`` does on live
+    ranks). fp32: the fp32-adam recipe (4 + 4 + 8). bf16: the fp32 master and both moments are
+    the paper's K = 12 (mixed-adam), the gradient shard is fp32 (reduced in fp32), and no bf16
+    weight is kept at rest (stage 3 frees every gathered unit)."""
+    r = traced_steps[(world, stage, bf16)]
+    psi = sum(r["padded"])
+    assert 0 <= psi - r["params"] < len(r["padded"]) * world  # at most N-1 elements of padding per unit
+    fp32 = mm.model_state_breakdown(psi, world, "fp32-adam")[mm.stage_name(stage)]
+    # AdamW's moments are per parameter piece, so they hold no padding; rank 0 holds none either
+    # (padding is on the last ranks), so its moments are the formula's 8Ψ (stage 0) or 8Ψ/N exactly.
+    assert all(p // world <= n for n, p in zip(r["numel"], r["padded"]))
+    assert r["moments"] == fp32["optimizer"]
+    assert r["grads"] == (fp32["grads"] / world if stage == 1 else fp32["grads"])  # ZeRO-1 keeps a shard for the step
+    assert r["step_counters"] == r["pieces_here"]  # AdamW's one 0-dim step per parameter piece stepped here
+    if bf16:
+        mixed = mm.model_state_breakdown(psi, world, "mixed-adam")[mm.stage_name(stage)]
+        assert r["master_dtype"] == "torch.float32" and r["weights"] == 0
+        assert r["master"] + r["moments"] == mixed["optimizer"]
+    else:
+        assert max(r["weights"], r["master"]) == fp32["params"]  # stages 0-2: the master views the weights

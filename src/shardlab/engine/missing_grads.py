@@ -55,9 +55,11 @@ def find_unused(ranges: list[tuple[int, int]], grad: torch.Tensor) -> list[int]:
     tensor, is only a shortcut: a used param almost always fails there, so the whole part is
     scanned only for the few that may be unused.
 
-    The ``.tolist()`` is a host sync, once per unit per backward, and it is meant: the answer
-    decides on the host which ``p.grad`` become None. It runs after every reduction has landed
-    (``base._finalize_backward``), so it waits for no collective and overlaps nothing.
+    The ``.tolist()`` is a host sync: the answer decides on the host which ``p.grad`` become
+    None. :func:`mark_unused` calls this only for a unit where this rank gave some param no
+    gradient, so a step where every rank used every param reads nothing on the host. It runs
+    after every reduction has landed (``base._finalize_backward``), so it waits for no
+    collective and overlaps nothing.
     """
     spans = [(i, a, b) for i, (a, b) in enumerate(ranges) if b > a]
     if not spans:
@@ -75,7 +77,10 @@ def mark_unused(ranges: list[tuple[int, int]], grad: torch.Tensor | None,
     """
     if grad is None:
         return [], None
-    unused = find_unused(ranges, grad)
+    # This rank sent ``grad + 0.0`` (never -0.0) for every param it gave a gradient, and a sum
+    # with one term that is not -0.0 is not -0.0: when it gave every param one, no param of
+    # this unit can be unused, and there is nothing to read (no host sync on the usual step).
+    unused = find_unused(ranges, grad) if no_grad_here else []
     all_unused = bool(unused) and len(unused) == sum(b > a for a, b in ranges)
     # A piece with no elements here cannot say whether another rank used its param: it counts
     # as unused (grad None) only if this rank gave it no gradient either.
