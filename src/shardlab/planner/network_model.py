@@ -1,6 +1,6 @@
 """The bus NCCL gives a collective: bandwidth that falls with message size, latency that grows with hops.
 
-The planner's ``--network nccl`` model. It is the α-β ring of
+The planner's ``--network-model nccl``. It is the α-β ring of
 :func:`shardlab.instruments.link.link_delay`, the formula the replay already uses, with its two
 constants taken from published NCCL numbers instead of the data sheets' round figures::
 

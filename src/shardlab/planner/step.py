@@ -34,7 +34,6 @@ from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
 from shardlab.planner.transformer import Transformer, need_transformer
 
-
 NETWORK_MODELS = ("ideal", "nccl")
 
 
