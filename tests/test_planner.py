@@ -73,12 +73,43 @@ def _units(fwd=1.0, bwd=2.0, blocks=2):
 
 def test_replay_by_hand_zero3_with_prefetch():
     # Every collective 0.5 s, every forward 1 s, every backward 2 s, root + 2 blocks. Forward:
-    # gather root 0-0.5, compute 0.5-3.5 with b0, b1 prefetched in time. Backward: head 3.5-5.5,
-    # gather b1 5.5-6 (exposed), b1 6-8, b0 8-10 (its gather prefetched), reduce-scatters of b1
-    # 8-8.5, b0 10-10.5 and the root 10.5-11 (exposed). Step 11 s, compute 9 s, link busy 4 s.
+    # gather root 0-0.5, compute 0.5-3.5 with b0, b1 prefetched in time. Backward: head 3.5-5.5
+    # with b1's gather 3.5-4 beside it (prefetched during the root's backward, as the engine's
+    # lockstep walk does), b1 5.5-7.5, b0 7.5-9.5 (its gather 5.5-6, prefetched), reduce-scatters
+    # of b1 7.5-8, b0 9.5-10 and the root 10-10.5 (exposed). Step 10.5 s, compute 9, link busy 4.
     run = replay(_units(), "zero3", 1, True, lambda kind, params: 0.5)
-    assert run.compute_s == 9.0 and run.step_s == pytest.approx(11.0) and run.link_s == pytest.approx(4.0)
-    assert run.exposed_comm_s == pytest.approx(2.0)
+    assert run.compute_s == 9.0 and run.step_s == pytest.approx(10.5) and run.link_s == pytest.approx(4.0)
+    assert run.exposed_comm_s == pytest.approx(1.5)
+
+
+def test_the_first_backward_gather_hides_under_the_heads_backward():
+    # Code review M2: a gather as long as the root's backward (2 s) hides under it entirely.
+    # Exposed is only the first forward gather (2 s) and what follows the last backward.
+    gather_only = lambda kind, params: 2.0 if kind == "all_gather" else 0.0  # noqa: E731
+    run = replay(_units(fwd=3.0), "zero3", 1, True, gather_only)
+    # forward: root gather 0-2, then compute 2-11 (prefetches 2-4, 4-6 hide); backward: head
+    # 11-13 with b1's gather 11-13, b1 13-15 with b0's gather 13-15, b0 15-17
+    assert run.step_s == pytest.approx(17.0) and run.exposed_comm_s == pytest.approx(2.0)
+
+
+def test_the_last_reduction_cannot_hide():
+    # Nothing computes after the last block's backward (the replay books the head's and the
+    # embedding's backward first, the root's gradient completes at the end), so the last block's
+    # reduction and the root's are exposed whole, however long the backward was: 2r, for any r.
+    for r in (0.25, 0.5, 1.0):
+        cost = lambda kind, params, r=r: 0.0 if kind == "all_gather" else r  # noqa: E731
+        for stage in ("ddp", "zero2", "zero3"):
+            run = replay(_units(bwd=4.0), stage, 1, True, cost)
+            assert run.exposed_comm_s == pytest.approx(2 * r), (stage, r)
+
+
+def test_overlap_efficiency_charges_each_hidden_second():
+    half = lambda kind, params: 0.5  # noqa: E731
+    perfect = replay(_units(), "zero3", 1, True, half)
+    slowed = replay(_units(), "zero3", 1, True, half, overlap_efficiency=0.8)
+    hidden = perfect.link_s - perfect.exposed_comm_s  # 4 s on the link, 1.5 of them exposed
+    assert slowed.step_s == pytest.approx(perfect.step_s + 0.2 * hidden)
+    assert replay(_units(), "zero3", 1, True, lambda k, p: 0.0, overlap_efficiency=0.5).step_s == 9.0
 
 
 def test_replay_limits():

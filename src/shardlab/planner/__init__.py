@@ -15,10 +15,11 @@ Read it in this order:
 2. ``hardware.py``: GPUs, networks and a :class:`GPUCluster`;
 3. ``plan.py``: how to train (:class:`Plan`);
 4. ``memory.py``: bytes per GPU;
-5. ``compute.py``, ``roofline.py`` and ``step.py``: a step's FLOPs, their time (one fraction of
-   peak, or each kernel against the roofline), and the step replayed on two clocks;
+5. ``compute.py``, ``roofline.py``, ``network_model.py`` and ``step.py``: a step's FLOPs, their
+   time (one fraction of peak, or each kernel against the roofline), the bus NCCL gives a
+   collective (``--network-model nccl``), and the step replayed on two clocks;
 6. ``anchors.py``: the knee and the bytes per parameter other material quotes, recomputed;
-7. ``report.py``, ``cli.py`` (``python -m shardlab plan``) and ``published.py`` (the runs it is checked on).
+7. ``report.py``, ``cli.py`` (``python -m shardlab plan``) ``published.py`` and ``published_network.py`` (the runs it is checked on).
 
 Every answer is a formula's value, not a measurement: notebook 08 sets it beside published runs.
 Left out, on purpose: the optimizer step, kernel launch gaps, stragglers, tensor / pipeline
@@ -57,10 +58,11 @@ class Prediction:
 
 
 def predict(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
-            compute: str = "fraction") -> Prediction:
-    """Memory per GPU and step time of one plan (``compute``: "fraction" or "roofline", see :func:`step_time`)."""
+            compute: str = "fraction", **network) -> Prediction:
+    """Memory per GPU and step time of one plan (``compute``: "fraction" or "roofline"; ``network``,
+    ``bucket_mb``, ``overlap_efficiency``: the network model, see :func:`step_time`)."""
     m = need_transformer(model_)
-    timing = step_time(m, cluster_, plan, fraction=fraction, compute=compute)
+    timing = step_time(m, cluster_, plan, fraction=fraction, compute=compute, **network)
     return Prediction(m, cluster_, plan, memory(m, cluster_, plan), timing)
 
 
@@ -73,9 +75,10 @@ def candidates(cluster_: GPUCluster, plan: Plan) -> list[Plan]:
 
 
 def compare(model_: Transformer, cluster_: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
-            compute: str = "fraction") -> dict:
+            compute: str = "fraction", **network) -> dict:
     """Every stage with the same batch and checkpointing: which first fits, which is fastest that fits."""
-    preds = [predict(model_, cluster_, p, fraction=fraction, compute=compute) for p in candidates(cluster_, plan)]
+    preds = [predict(model_, cluster_, p, fraction=fraction, compute=compute, **network)
+             for p in candidates(cluster_, plan)]
     fitting = [p for p in preds if p.memory.fits]
     return {"predictions": preds,
             "first_fit": fitting[0] if fitting else None,

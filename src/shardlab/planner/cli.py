@@ -54,6 +54,12 @@ def parse(argv) -> tuple[planner.Transformer, planner.GPUCluster, planner.Plan, 
     ap.add_argument("--compute", default="fraction", choices=("fraction", "roofline"),
                     help="fraction: FLOPs at --fraction of peak; roofline: each kernel against peak and memory "
                     "bandwidth (η fitted on torchtitan's A100 runs)")
+    ap.add_argument("--network-model", default="ideal", choices=("ideal", "nccl"), dest="network_model",
+                    help="ideal: line rates, perfect overlap (the default); nccl: NCCL's bus from published curves, "
+                    "DDP's buckets, compute slowed beside a transfer (planner/network_model.py)")
+    ap.add_argument("--bucket-mb", type=float, help="--network-model nccl: DDP's bucket (default 25, PyTorch's)")
+    ap.add_argument("--overlap-efficiency", type=float, help="--network-model nccl: compute's speed beside a "
+                    "transfer (default 0.9, an assumption)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args(argv)
     dims = {name: getattr(args, name) for name in transformer.SHAPE}
@@ -81,19 +87,25 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    f = args.fraction
-    pred = planner.predict(model, cluster, plan, fraction=f, compute=args.compute)
-    comparison = planner.compare(model, cluster, plan, fraction=f, compute=args.compute)
+    f, net = args.fraction, args.network_model
+    knobs = dict(network=net, bucket_mb=args.bucket_mb, overlap_efficiency=args.overlap_efficiency)
+    try:
+        pred = planner.predict(model, cluster, plan, fraction=f, compute=args.compute, **knobs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    comparison = planner.compare(model, cluster, plan, fraction=f, compute=args.compute, **knobs)
     if args.json:
         first, fastest = comparison["first_fit"], comparison["fastest"]
         print(json.dumps({"model": model.name, "params": model.params, "shape": model.shape(),
-                          "cluster": cluster.describe(), "fraction_of_peak": f, "compute": args.compute, "kind": "formula",
+                          "cluster": cluster.describe(), "fraction_of_peak": f, "compute": args.compute, "network_model": net,
+                          "kind": "formula",
                           **as_dict(pred, fraction=f),
                           "compare": [as_dict(p, fraction=f) for p in comparison["predictions"]],
                           "first_fit": first and first.plan.label, "fastest": fastest and fastest.plan.label,
-                          **anchors_dict(cluster.gpus, plan, f)}, indent=1))
+                          **anchors_dict(cluster.gpus, plan, f, net)}, indent=1))
     else:
-        print(text(pred, comparison, fraction=f, compute=args.compute))
+        print(text(pred, comparison, fraction=f, compute=args.compute, network=net))
     return 0
 
 

@@ -51,8 +51,9 @@ WHY = {
                  "compute, so it predicts ~155 TFLOPS at every size. Not known: why the run was slower. "
                  "Hypotheses: the implementation (DeepSpeed's ZeRO-3 of 2021) overlapped or ran its "
                  "collectives worse than the hardware allows; or the planner is too optimistic (every ring "
-                 "gets all of a node's NICs, where nccl-tests reach ~90%; overlap is perfect; NCCL takes no "
-                 "SMs from compute). PyTorch FSDP's 173 TFLOPS at 512 GPUs fits the first, but ran on another "
+                 "gets all of a node's NICs, where nccl-tests reach ~96%; overlap is perfect; NCCL takes no "
+                 "SMs from compute; `--network-model nccl` models all three and still predicts ~148 TFLOPS at "
+                 "1536 GPUs). PyTorch FSDP's 173 TFLOPS at 512 GPUs fits the first, but ran on another "
                  "cluster and stops below 768, so it cannot decide."),
     "fsdp-batch-2": ("within tolerance, but low: compute-bound there, the planner predicts 50% of peak for every "
                      "batch; the paper's batch-2 runs reached 60%. Larger micro-batches run bigger, more "

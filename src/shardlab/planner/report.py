@@ -9,15 +9,16 @@ from __future__ import annotations
 import math
 
 from shardlab.planner import ACHIEVABLE_FRACTION, Prediction
+from shardlab.planner import network_model as nm
 from shardlab.planner.anchors import bytes_per_param, knee
 from shardlab.planner.plan import Plan
 
 GIB = 2**30
 
 
-def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION) -> list[tuple[str, str, str]]:
+def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION, network: str = "ideal") -> list[tuple[str, str, str]]:
     """Every assumption that decides an answer: (what, what this plan assumes, the flag that changes it)."""
-    zero12 = plan.row.gathers_params_after_step
+    zero12, nccl = plan.row.gathers_params_after_step, network == "nccl"
     return [
         ("attention kernel", "fused (SDPA / FlashAttention): no s×s scores kept" if plan.attention == "fused"
          else "eager: the s×s scores are kept (Korthikanti's 5·a·s/h)", "--attention eager|fused"),
@@ -35,14 +36,23 @@ def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION) -> list[tuple
         ("HSDP's deferral", "the all-reduce across replicas on the last micro-batch only "
          "(FSDP2: set_requires_all_reduce(False) on the others)", "--plan hsdp --grad-accum N"),
         ("NIC sharing", "a ring with p GPUs on each node gets p/G of the node's NICs", "--nics-per-node"),
-        ("overlap", "perfect: a transfer hides wherever the link is free, NCCL takes no SMs", "(none: a limit)"),
-        ("buckets", "one collective per unit; bus bandwidth does not fall with message size", "(none: a limit)"),
+        ("network bus", f"NCCL's: {nm.NIC_EFFICIENCY:.0%} of the NICs, {nm.NVLINK_EFFICIENCY:.0%} of NVLink "
+         f"(NCCL's maintainer), {nm.ALPHA_US} µs a ring hop (fitted on a published curve); rings, no trees"
+         if nccl else "the line rates, the link table's latencies; bus bandwidth does not fall with size",
+         "--network-model ideal|nccl"),
+        ("overlap", f"a transfer hides wherever the link is free; compute at {nm.OVERLAP_EFFICIENCY:.0%} beside it "
+         "(NCCL takes SMs; an assumption, not a published number); the last reductions never hide" if nccl else
+         "perfect: a transfer hides wherever the link is free, NCCL takes no SMs; the last reductions never hide",
+         "--network-model nccl --overlap-efficiency F"),
+        ("buckets", f"DDP all-reduces in {nm.DDP_BUCKET_BYTES // nm.MiB} MiB buckets (PyTorch's default), each "
+         "paying its ring latency; the others one collective per unit" if nccl else
+         "one collective per unit", "--network-model nccl --bucket-mb M"),
         ("achieved fraction of peak", f"{fraction:.0%} for every GPU, model and micro-batch", "--fraction"),
     ]
 
 
 def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRACTION, anchors: bool = True,
-         compute: str = "fraction") -> str:
+         compute: str = "fraction", network: str = "ideal") -> str:
     """The plan's breakdown and the comparison, as plain text (a formula's values, not measurements)."""
     m, c, plan, mem, t = pred.model, pred.cluster, pred.plan, pred.memory, pred.timing
     lines = [f"{m.name} ({m.params / 1e9:.3g}B params, seq {m.seq}) on {c.describe()}",
@@ -80,7 +90,7 @@ def text(pred: Prediction, comparison: dict, *, fraction: float = ACHIEVABLE_FRA
         lines.append(f"First plan that fits: {first.plan.label}. Fastest that fits: {fastest.plan.label}.")
     if anchors:
         lines += ["", "assumptions that decide the answer (and the flag that changes each)"]
-        lines += [f"  {what:<30}{flag:<38}{value}" for what, value, flag in assumptions(plan, fraction)]
+        lines += [f"  {what:<30}{flag:<38}{value}" for what, value, flag in assumptions(plan, fraction, network)]
         lines += ["", f"bytes per parameter elsewhere, recomputed (DeepSpeed's at N = {c.gpus})"]
         lines += [f"  {r.source:<30}{r.published:>9} -> {r.recomputed:5.2f}  {r.assumption}" for r in bytes_per_param(c.gpus)]
     lines.append("A model, not a measurement: no optimizer step, no stragglers; notebook 08 sets it beside published runs.")
@@ -100,8 +110,8 @@ def as_dict(pred: Prediction, *, fraction: float = ACHIEVABLE_FRACTION) -> dict:
                      "hides": k.hides, "book_published_tokens_per_h100": k.book, "book_span": k.book_span}}
 
 
-def anchors_dict(gpus: int, plan: Plan, fraction: float = ACHIEVABLE_FRACTION) -> dict:
+def anchors_dict(gpus: int, plan: Plan, fraction: float = ACHIEVABLE_FRACTION, network: str = "ideal") -> dict:
     """The assumptions and the bytes-per-parameter table, for ``--json``."""
-    return {"assumptions": [dict(what=w, assumed=v, flag=f) for w, v, f in assumptions(plan, fraction)],
+    return {"assumptions": [dict(what=w, assumed=v, flag=f) for w, v, f in assumptions(plan, fraction, network)],
             "bytes_per_param": [dict(source=r.source, published=r.published, recomputed=r.recomputed,
                                      assumption=r.assumption) for r in bytes_per_param(gpus)]}

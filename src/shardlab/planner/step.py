@@ -22,15 +22,19 @@ across nodes, priced by the α-β ring model of :func:`shardlab.instruments.link
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardlab.instruments import memory_math, stages
 from shardlab.instruments.link import link_delay
+from shardlab.planner import network_model as nm
 from shardlab.planner import roofline
 from shardlab.planner.compute import ACHIEVABLE_FRACTION, recompute_flops, step_flops, unit_flops
 from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
 from shardlab.planner.transformer import Transformer, need_transformer
+
+NETWORK_MODELS = ("ideal", "nccl")
 
 
 @dataclass
@@ -71,13 +75,15 @@ class _Link:
 
 
 def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cross=None, *,
-           overlap_param_gather: bool = False) -> Replay:
+           overlap_param_gather: bool = False, overlap_efficiency: float = 1.0) -> Replay:
     """Replay a step. ``stage``: a row of :data:`shardlab.instruments.stages.STAGES` or its name
     (HSDP is ZeRO-3 with a ``cross``). ``cost(kind, params)`` is a collective's seconds on the
     sharding group's link; ``cross(params)`` an all-reduce's seconds across HSDP replicas.
     ``overlap_param_gather``: ZeRO-1/2 gather the updated parameters unit by unit in the next
     forward (Megatron-LM's ``--overlap-param-gather``) instead of all at once after the step;
-    in a steady state the next step's forward is this one's."""
+    in a steady state the next step's forward is this one's. ``overlap_efficiency``: compute's
+    speed while a transfer hides beside it (NCCL's kernels take SMs); each hidden second of
+    transfer adds (1 − it) seconds to the step, 1.0 is perfect overlap."""
     row = stages.stage(stage)
     root, blocks = units[0], units[1:]
     link, net = _Link(), _Link()
@@ -106,9 +112,11 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
             t += u.fwd_s
         # backward: the head's gradient first, then the blocks in reverse; the root's
         # gradients are complete only after the embedding, at the very end
-        t += root.bwd_s
         ready = {}
         back = blocks[::-1]
+        if row.shards_params and prefetch and back:  # the engine prefetches the last block's gather
+            ready[back[0].name] = link.send(t, cost("all_gather", back[0].params))  # during the head's backward
+        t += root.bwd_s
         for i, u in enumerate(back):
             if row.shards_params:
                 t = borrow(back, i, t, ready)
@@ -124,7 +132,9 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
         for u in units:
             t = max(t, link.send(t, cost("all_gather", u.params)))
     compute = grad_accum * sum(u.fwd_s + u.bwd_s for u in units)
-    return Replay(t, compute, link.busy + net.busy)
+    busy = link.busy + net.busy
+    hidden = min(compute, max(0.0, busy - max(0.0, t - compute)))  # transfer seconds under compute
+    return Replay(t + (1 - overlap_efficiency) * hidden, compute, busy)
 
 
 def _reduce(u: Unit, row: stages.Stage, last: bool, t: float, link: _Link, net: _Link, cost, cross) -> list[float]:
@@ -157,28 +167,37 @@ class GroupLink:
         return link_delay(kind, int(params), itemsize, self.size, self.bandwidth_gbps, self.latency_us)
 
 
-def group_link(cluster: GPUCluster, size: int, per_node: int) -> GroupLink:
+def group_link(cluster: GPUCluster, size: int, per_node: int, network: str = "ideal") -> GroupLink:
     """A ring of ``size`` GPUs, ``per_node`` of them on each node it touches.
 
     Inside one node it runs on NVLink. Across nodes, NCCL spreads its rings over every NIC of
     the node, so the ring's bus bandwidth is what its share of the node's NICs can carry
     (``per_node / gpus_per_node`` of them; nccl-tests' bus bandwidth across 8-GPU nodes is the
     node's NIC total, e.g. ~96 of 100 GB/s with 4 HDR NICs), capped by NVLink.
+
+    ``network``: "ideal" takes the line rates and the latencies of the link table; "nccl" what
+    NCCL reaches on them (:mod:`shardlab.planner.network_model`): η of each line rate and the
+    published curves' α per hop.
     """
+    if network not in NETWORK_MODELS:
+        raise ValueError(f"network model must be one of {NETWORK_MODELS}, got {network!r}")
+    nccl = network == "nccl"
+    nvlink = cluster.intra.bandwidth_gbps * (nm.NVLINK_EFFICIENCY if nccl else 1)
     if size <= 1 or size <= per_node:
-        return GroupLink(max(size, 1), cluster.intra.bandwidth_gbps, cluster.intra.latency_us)
+        return GroupLink(max(size, 1), nvlink, nm.ALPHA_US if nccl else cluster.intra.latency_us)
     share = cluster.node_nic_bytes_per_s * per_node / cluster.gpus_per_node * 8 / 1e9
-    return GroupLink(size, min(cluster.intra.bandwidth_gbps, share), cluster.inter.latency_us)
+    share *= nm.NIC_EFFICIENCY if nccl else 1
+    return GroupLink(size, min(nvlink, share), nm.ALPHA_US if nccl else cluster.inter.latency_us)
 
 
-def groups(cluster: GPUCluster, plan: Plan) -> tuple[GroupLink, GroupLink | None]:
+def groups(cluster: GPUCluster, plan: Plan, network: str = "ideal") -> tuple[GroupLink, GroupLink | None]:
     """The sharding group's link, and HSDP's replica group's link (None for the other plans)."""
     n, g = cluster.gpus, sharding_degree(plan, cluster.gpus)
-    shard = group_link(cluster, g, min(g, cluster.gpus_per_node))
+    shard = group_link(cluster, g, min(g, cluster.gpus_per_node), network)
     if plan.stage != "hsdp" or g == n:
         return shard, None
     reps_per_node = max(1, cluster.gpus_per_node // g) if g < cluster.gpus_per_node else 1
-    return shard, group_link(cluster, n // g, reps_per_node)
+    return shard, group_link(cluster, n // g, reps_per_node, network)
 
 
 @dataclass(frozen=True)
@@ -208,7 +227,8 @@ class Timing:
 
 
 def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: float = ACHIEVABLE_FRACTION,
-              compute_s: float | None = None, compute: str = "fraction", matmul_efficiency: float | None = None) -> Timing:
+              compute_s: float | None = None, compute: str = "fraction", matmul_efficiency: float | None = None,
+              network: str = "ideal", bucket_mb: float | None = None, overlap_efficiency: float | None = None) -> Timing:
     """Replay one step (:func:`replay`) and report it.
 
     ``compute``: "fraction" prices a unit's FLOPs at ``fraction`` × peak; "roofline" prices each
@@ -216,7 +236,17 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     ``compute_s``: a measured compute time for one micro-batch's forward and backward (e.g. a
     step on this machine with no slow link); the units keep their FLOP shares of it.
     ``matmul_efficiency``: the roofline's η, if not its fitted :data:`roofline.MATMUL_EFFICIENCY`.
+    ``network``: "ideal" (line rates, every transfer hides where the link is free) or "nccl"
+    (:mod:`~shardlab.planner.network_model`: NCCL's bus, DDP's all-reduce in ``bucket_mb`` buckets,
+    default PyTorch's 25, and compute at ``overlap_efficiency`` beside a transfer, default 0.9).
     """
+    nccl = network == "nccl"
+    bucket = (bucket_mb * nm.MiB if bucket_mb is not None else nm.DDP_BUCKET_BYTES) if nccl else None
+    eff = overlap_efficiency if overlap_efficiency is not None else (nm.OVERLAP_EFFICIENCY if nccl else 1.0)
+    if bucket is not None and not bucket > 0:
+        raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+    if not 0 < eff <= 1:
+        raise ValueError(f"overlap_efficiency must be in (0, 1], got {overlap_efficiency!r}")
     if compute not in ("fraction", "roofline"):
         raise ValueError(f"compute must be 'fraction' or 'roofline', got {compute!r}")
     if not 0 < fraction <= 1:
@@ -235,17 +265,21 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
         root_s, block_s = (f["root"] / rate, 2 * f["root"] / rate), (f["block"] / rate, (2 * f["block"] + redo) / rate)
     units = [Unit("root", m.root_params, *root_s)]
     units += [Unit(f"block{i}", m.block_params, *block_s) for i in range(m.layers)]
-    shard, replicas = groups(cluster, plan)
+    shard, replicas = groups(cluster, plan, network)
     g = sharding_degree(plan, cluster.gpus)
 
     def cost(kind, params):  # gathers move weights (the recipe's dtype), reductions gradients (plan's)
-        return shard.seconds(kind, params, r.param_bytes if kind == "all_gather" else plan.reduce_bytes)
+        itemsize = r.param_bytes if kind == "all_gather" else plan.reduce_bytes
+        if kind == "all_reduce" and bucket is not None:  # DDP: one all-reduce per bucket, each its α
+            n = max(1, math.ceil(params * itemsize / bucket))
+            return n * shard.seconds(kind, params / n, itemsize)
+        return shard.seconds(kind, params, itemsize)
 
     def cross(params):  # HSDP: each GPU all-reduces its 1/g shard of the unit across replicas
         return replicas.seconds("all_reduce", params / g, plan.reduce_bytes)
 
     run = replay(units, plan.row, plan.grad_accum, plan.prefetch, cost, cross if replicas else None,
-                 overlap_param_gather=plan.overlap_param_gather)
+                 overlap_param_gather=plan.overlap_param_gather, overlap_efficiency=eff)
     model_flops, hardware_flops = step_flops(m, plan)
     return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s,
                   plan.grad_accum * plan.micro_batch * m.seq, model_flops, hardware_flops, cluster.gpu.peak_flops)
