@@ -17,6 +17,7 @@ Two rules from the folder READMEs and the layout notes:
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 import shardlab
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = SRC.parent
 PKG = SRC / "shardlab"
 PARTS = sorted(p.parent.name for p in PKG.glob("*/README.md"))
 
@@ -280,3 +282,16 @@ def test_no_module_draws_through_pyplot():
     found = [f"{path.relative_to(SRC)}:{line}" for path in modules() for line, name in imports_of(path)
              if name == "matplotlib.pyplot" or name.startswith("matplotlib.pyplot.")]
     assert not found, "these modules import matplotlib.pyplot; draw on plots.new_figure() instead:\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "labs").glob("*.ipynb")),
+                         ids=lambda p: p.name)
+def test_notebooks_are_committed_stripped_and_every_cell_has_an_id(path):
+    """Committed with outputs stripped (a learner's first run is their own), and every cell has
+    the id nbformat 4.5 requires: a cell added by hand without one warns today and fails in a
+    later nbformat."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(c["outputs"] == [] and c["execution_count"] is None for c in code), f"{path.name} has outputs"
+    missing = [i + 1 for i, c in enumerate(nb["cells"]) if not c.get("id")]
+    assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"
