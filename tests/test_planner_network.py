@@ -11,8 +11,8 @@ import pytest
 from shardlab import planner
 from shardlab.planner import network_model as nm
 from shardlab.planner import published_network as pn
+from shardlab.planner.groups import group_link
 from shardlab.planner.published import TOLERANCE
-from shardlab.planner.step import group_link
 
 
 def test_the_fit_on_the_32_rank_curve_is_the_constant_in_the_code():

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from shardlab.instruments import memory_math
 from shardlab.planner.compute import ACHIEVABLE_FRACTION
+from shardlab.planner.groups import groups
 from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
-from shardlab.planner.step import groups
 
 #: "How to Scale Your Model" (Austin et al., jax-ml/scaling-book), ch. 12 "How to Think About GPUs":
 #: C / W for an H100 at full peak, bf16 (990e12 / 450e9 inside a node, 990e12 / 400e9 across).

@@ -34,6 +34,8 @@ import math
 from shardlab.instruments.link import link_delay
 
 MiB = 2**20
+#: ``--network-model``: "ideal" (the link table's line rates, perfect overlap) or "nccl" (this module)
+NETWORK_MODELS = ("ideal", "nccl")
 
 #: stas00/ml-engineering, network/benchmarks/README.md (commit 0cc3de50), "On 4 8x-B200 nodes":
 #: all_reduce over 32 ranks timed by all_reduce_bench.py; (payload bytes, busbw GB/s). The curve
@@ -97,3 +99,29 @@ def fit_alpha_us(n: int = 32, points=B200_4_NODES, start: float = FIT_FROM) -> f
     """α (µs, to 0.05) that best fits one curve: least squares of log(model / published)."""
     grid = [0.05 * i for i in range(1, 400)]
     return round(min(grid, key=lambda a: sum(math.log(r) ** 2 for _, r in curve_ratios(n, points, a, start))), 2)
+
+
+def network_knobs(network: str = "ideal", bucket_mb: float | None = None, overlap_efficiency: float | None = None,
+                  *, flags: bool = False) -> tuple[float | None, float]:
+    """The DDP bucket (bytes; None: one all-reduce per unit) and the overlap efficiency a network model runs with.
+
+    Bad values are refused under either model. The ideal model has no buckets and overlaps
+    perfectly, so under it passing either one is an error, not a value silently dropped or
+    silently applied. ``flags``: name them as the CLI's flags in the messages."""
+    bucket_name, eff_name, nccl_name = (("--bucket-mb", "--overlap-efficiency", "--network-model nccl") if flags
+                                        else ("bucket_mb", "overlap_efficiency", "network='nccl'"))
+    if network not in NETWORK_MODELS:
+        raise ValueError(f"network model must be one of {NETWORK_MODELS}, got {network!r}")
+    if bucket_mb is not None and not bucket_mb > 0:
+        raise ValueError(f"{bucket_name} must be a positive number of MiB (PyTorch's default is 25), got {bucket_mb!r}")
+    if overlap_efficiency is not None and not 0 < overlap_efficiency <= 1:
+        raise ValueError(f"{eff_name} must be in (0, 1] (1: compute at full speed beside a transfer), "
+                         f"got {overlap_efficiency!r}")
+    given = [name for name, v in ((bucket_name, bucket_mb), (eff_name, overlap_efficiency)) if v is not None]
+    if network == "ideal":
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} {nccl_name}: the "
+                             "ideal network model has no buckets and overlaps perfectly")
+        return None, 1.0
+    return (DDP_BUCKET_BYTES if bucket_mb is None else bucket_mb * MiB,
+            OVERLAP_EFFICIENCY if overlap_efficiency is None else overlap_efficiency)
