@@ -38,9 +38,9 @@ def assumptions(plan: Plan, fraction: float = ACHIEVABLE_FRACTION, network: str 
         ("ZeRO-1/2 parameter all-gather", ("hidden under the next forward" if plan.overlap_param_gather
                                            else "exposed after the step") if zero12 else "(not this stage)",
          "--overlap-param-gather"),
-        ("gradient reduction", "as each unit's gradients are ready" if plan.row.reduce_as_ready
-         else "after the whole backward, as the engine's ZeRO-1 does: it cannot hide under backward",
-         "--plan (the stage's; DeepSpeed's overlap_comm is not modelled)"),
+        ("gradient reduction", ("as each unit's gradients are ready" if plan.row.reduce_as_ready
+         else "after the whole backward, as the engine's ZeRO-1 does: it cannot hide under backward")
+         + " (the stage's rule; DeepSpeed's overlap_comm is not modelled)", "--plan"),
         ("gradient accumulation", "ZeRO-2/3 and HSDP reduce every micro-batch; DDP and ZeRO-1 once a step",
          "--grad-accum N"),
         ("HSDP's deferral", "the all-reduce across replicas on the last micro-batch only "
