@@ -117,4 +117,4 @@ def test_the_assumptions_table_keeps_flag_and_value_apart(capsys):
     words = _main(capsys, *BIG_DDP, "--network-model", "nccl")[1]
     rows = report.assumptions(planner.Plan("ddp"), network="nccl")
     for what, value, flag in rows:  # code review round 3 L10: a 43-character flag ran into its value
-        assert f"  {what:<30}{flag}  " in words and len(flag) < report.FLAG_WIDTH
+        assert f"  {what:<30}{flag:<{report.FLAG_WIDTH}}{value}" in words and len(flag) < report.FLAG_WIDTH - 1
