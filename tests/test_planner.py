@@ -1,16 +1,13 @@
-"""The planner's pieces: presets against their papers, memory by its parts, the step replay by hand,
-the ring over nodes, the scaling it must show, and ``python -m shardlab plan``."""
+"""The planner's pieces: presets against their papers, memory by its parts, the ring over nodes,
+the scaling it must show, the knee and the anchors' bytes. The replay by hand is in
+``test_planner_replay.py``, ``python -m shardlab plan`` in ``test_planner_cli.py``."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from support import slowdown
 
 from shardlab import planner
 from shardlab.instruments import memory_math as mm
-from shardlab.planner.step import Unit, replay
 
 GIB = 2**30
 
@@ -67,64 +64,6 @@ def test_activations_do_not_shrink_with_more_gpus():
     assert small.activations == big.activations and big.model_states == small.model_states / 16
 
 
-def _units(fwd=1.0, bwd=2.0, blocks=2):
-    return [Unit("root", 10, fwd, bwd)] + [Unit(f"b{i}", 10, fwd, bwd) for i in range(blocks)]
-
-
-def test_replay_by_hand_zero3_with_prefetch():
-    # Every collective 0.5 s, every forward 1 s, every backward 2 s, root + 2 blocks. Forward:
-    # gather root 0-0.5, compute 0.5-3.5 with b0, b1 prefetched in time. Backward: head 3.5-5.5
-    # with b1's gather 3.5-4 beside it (prefetched during the root's backward, as the engine's
-    # lockstep walk does), b1 5.5-7.5, b0 7.5-9.5 (its gather 5.5-6, prefetched), reduce-scatters
-    # of b1 7.5-8, b0 9.5-10 and the root 10-10.5 (exposed). Step 10.5 s, compute 9, link busy 4.
-    run = replay(_units(), "zero3", 1, True, lambda kind, params: 0.5)
-    assert run.compute_s == 9.0 and run.step_s == pytest.approx(10.5) and run.link_s == pytest.approx(4.0)
-    assert run.exposed_comm_s == pytest.approx(1.5)
-
-
-def test_the_first_backward_gather_hides_under_the_heads_backward():
-    # Code review M2: a gather as long as the root's backward (2 s) hides under it entirely.
-    # Exposed is only the first forward gather (2 s) and what follows the last backward.
-    gather_only = lambda kind, params: 2.0 if kind == "all_gather" else 0.0  # noqa: E731
-    run = replay(_units(fwd=3.0), "zero3", 1, True, gather_only)
-    # forward: root gather 0-2, then compute 2-11 (prefetches 2-4, 4-6 hide); backward: head
-    # 11-13 with b1's gather 11-13, b1 13-15 with b0's gather 13-15, b0 15-17
-    assert run.step_s == pytest.approx(17.0) and run.exposed_comm_s == pytest.approx(2.0)
-
-
-def test_the_last_reduction_cannot_hide():
-    # Nothing computes after the last block's backward (the replay books the head's and the
-    # embedding's backward first, the root's gradient completes at the end), so the last block's
-    # reduction and the root's are exposed whole, however long the backward was: 2r, for any r.
-    for r in (0.25, 0.5, 1.0):
-        cost = lambda kind, params, r=r: 0.0 if kind == "all_gather" else r  # noqa: E731
-        for stage in ("ddp", "zero2", "zero3"):
-            run = replay(_units(bwd=4.0), stage, 1, True, cost)
-            assert run.exposed_comm_s == pytest.approx(2 * r), (stage, r)
-
-
-def test_overlap_efficiency_charges_each_hidden_second():
-    half = lambda kind, params: 0.5  # noqa: E731
-    perfect = replay(_units(), "zero3", 1, True, half)
-    slowed = replay(_units(), "zero3", 1, True, half, overlap_efficiency=0.8)
-    hidden = perfect.link_s - perfect.exposed_comm_s  # 4 s on the link, 1.5 of them exposed
-    assert slowed.step_s == pytest.approx(perfect.step_s + 0.2 * hidden)
-    assert replay(_units(), "zero3", 1, True, lambda k, p: 0.0, overlap_efficiency=0.5).step_s == 9.0
-
-
-def test_replay_limits():
-    fast = lambda kind, params: 0.0  # noqa: E731
-    for stage in ("ddp", "zero1", "zero2", "zero3"):
-        assert replay(_units(), stage, 2, True, fast).step_s == pytest.approx(18.0)  # compute only
-    slow = replay(_units(), "zero3", 1, False, lambda kind, params: 0.5)
-    hidden = replay(_units(), "zero3", 1, True, lambda kind, params: 0.5)
-    assert slow.step_s > hidden.step_s  # prefetch hides gathers
-    ddp = replay(_units(), "ddp", 4, True, lambda kind, params: 0.5)
-    assert ddp.link_s == pytest.approx(1.5)  # all-reduces only on the last of 4 micro-batches
-    zero2 = replay(_units(), "zero2", 4, True, lambda kind, params: 0.5)
-    assert zero2.link_s == pytest.approx(4 * 1.5 + 1.5)  # reduce-scatter every micro-batch, then gather
-
-
 def test_rings_across_nodes_share_the_nodes_nics():
     c = planner.cluster("a100", 64, "ib-hdr")  # 8 HDR NICs a node: 200 GB/s a node
     whole = planner.groups(c, planner.Plan("zero3"))[0]
@@ -159,32 +98,6 @@ def test_compare_names_first_fit_and_fastest():
     assert labels[0].startswith("DDP") and "HSDP" in labels[3] and labels[-1].startswith("ZeRO-3")
     assert not out["predictions"][0].memory.fits and out["first_fit"].plan.stage == "zero3"
     assert out["fastest"].memory.fits
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "shardlab", "plan", *args], capture_output=True, text=True,
-                          timeout=slowdown(60))
-
-
-def test_cli_prints_the_breakdown_and_the_choice():
-    proc = _cli("--model", "70b", "--gpus", "256", "--gpu", "h100", "--plan", "zero3", "--checkpointing", "full")
-    assert proc.returncode == 0, proc.stderr
-    for words in ("memory per GPU", "exposed comm", "TFLOPS/GPU", "First plan that fits: ZeRO-3", "Fastest that fits"):
-        assert words in proc.stdout
-    js = _cli("--model", "8b", "--gpus", "64", "--network", "100gbe", "--checkpointing", "selective", "--json")
-    data = json.loads(js.stdout)
-    assert data["stage"] == "zero3" and data["step_s"] > data["compute_s"] > 0 and len(data["compare"]) == 5
-    assert data["memory_bytes"]["total"] == pytest.approx(sum(v for k, v in data["memory_bytes"].items()
-                                                               if k not in ("total", "card")))
-
-
-@pytest.mark.parametrize("args, message", [
-    (("--model", "71b"), "unknown model"), (("--gpus", "12"), "whole nodes"),
-    (("--plan", "hsdp", "--shard-group", "3", "--gpus", "16"), "must divide"), (("--gpu", "tpu"), "unknown GPU"),
-])
-def test_cli_refuses_bad_input_with_the_fix(args, message):
-    proc = _cli(*args)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_widget_falls_back_to_the_cli_text(monkeypatch, capsys):
@@ -222,10 +135,8 @@ def test_one_table_of_networks_for_the_emulator_and_the_planner():
     ten = planner.cluster("h100", 16, "10GbE")
     assert ten.inter is LINKS["10GbE"] and ten.nics_per_node == 1  # Ethernet: one NIC a node
     assert planner.cluster("v100", 8).intra.name == "NVLink 2 (V100)"
-    assert _cli("--network", "10GbE", "--gpus", "16").returncode == 0
 
 
-# -- issue 28: the default stack, any model, the knee and the anchors' bytes ----------------------
 def test_fused_attention_is_the_default_and_eager_one_flag_away():
     m, c = planner.model("8b"), planner.cluster("h100", 8)
     fused, eager = (planner.memory(m, c, planner.Plan("zero3", attention=a)) for a in ("fused", "eager"))
@@ -233,8 +144,6 @@ def test_fused_attention_is_the_default_and_eager_one_flag_away():
     s, h = m.seq, m.hidden
     assert eager.activations - fused.activations == pytest.approx(m.layers * 5 * m.heads * s * s)  # the s×s term
     assert fused.activations == m.layers * 34 * s * h + 4 * s * m.vocab
-    assert "fits" in _cli("--model", "8b", "--gpus", "8").stdout.split("\n\n")[1]
-    assert "DOES NOT FIT" in _cli("--model", "8b", "--gpus", "8", "--attention", "eager").stdout
 
 
 @pytest.mark.parametrize("name, published", [
@@ -262,23 +171,6 @@ def test_a_shape_and_a_config_json_become_models(tmp_path):
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
                                 "n_positions": 1024, "vocab_size": 50257}))
     assert planner.model(str(gpt2)).params == pytest.approx(124.4e6, rel=0.001)  # GPT-2 small: 124M
-    out = _cli("--model", str(path), "--gpus", "8", "--json")
-    assert json.loads(out.stdout)["params"] == llama.params
-    shaped = _cli("--model", "custom", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
-                  "--ffn", "14336", "--vocab", "128256", "--seq", "8192", "--json")
-    assert json.loads(shaped.stdout)["params"] == llama.params
-
-
-@pytest.mark.parametrize("args, message", [
-    (("--model", "custom", "--layers", "4", "--hidden", "64"), "needs --heads, --vocab, --seq"),
-    (("--model", "8b", "--layers", "-2"), "layers must be a positive integer"),
-    (("--model", "8b", "--heads", "33"), "must split evenly over 33 heads"),
-    (("--model", "8b", "--kv-heads", "5"), "kv_heads 5 must divide heads 32"),
-    (("--model", "missing/config.json"), "no config.json at"),
-])
-def test_bad_shapes_get_one_clear_line(args, message):
-    proc = _cli(*args)
-    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_config_json_without_a_field_is_named(tmp_path):
@@ -309,10 +201,6 @@ def test_the_bytes_per_parameter_of_the_anchors():
     rows = bytes_per_param(gpus=64)
     assert [r.recomputed for r in rows[:4]] == [10, 16, 18, 20] and [r.published for r in rows[:4]] == ["10", "16", "18", "20"]
     assert rows[4].recomputed == pytest.approx(2 + 18 / 64)
-    data = json.loads(_cli("--json").stdout)
-    assert [r["recomputed"] for r in data["bytes_per_param"]][:4] == [10, 16, 18, 20]
-    assert data["knee"]["book_published_tokens_per_h100"] == 2200 and data["kind"] == "formula"
-    assert {a["flag"] for a in data["assumptions"]} >= {"--attention eager|fused", "--reduce-dtype fp32|bf16"}
 
 
 def test_reduce_dtype_overlap_param_gather_and_accumulation():

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 
 from shardlab.instruments.memory_math import STAGES
 from shardlab.planner.compute import ACHIEVABLE_FRACTION, step_flops, unit_flops
+from shardlab.planner.groups import groups
 from shardlab.planner.hardware import GPU, GPUS, GPUCluster, cluster, gpu, network
 from shardlab.planner.memory import Memory, korthikanti_layer_bytes, memory, plan_state_bytes
 from shardlab.planner.plan import CHECKPOINTING, PLANS, Plan, sharding_degree
-from shardlab.planner.step import Timing, groups, step_time
+from shardlab.planner.step import Timing, step_time
 from shardlab.planner.transformer import MODELS, Transformer, model, need_transformer
 
 __all__ = ["ACHIEVABLE_FRACTION", "CHECKPOINTING", "GPU", "GPUS", "MODELS", "PLANS", "GPUCluster", "Memory",

@@ -23,14 +23,16 @@ import math
 from dataclasses import dataclass
 
 from shardlab.instruments import memory_math
+from shardlab.instruments.measured import Published
 from shardlab.planner.compute import ACHIEVABLE_FRACTION
+from shardlab.planner.groups import groups
 from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
-from shardlab.planner.step import groups
 
 #: "How to Scale Your Model" (Austin et al., jax-ml/scaling-book), ch. 12 "How to Think About GPUs":
 #: C / W for an H100 at full peak, bf16 (990e12 / 450e9 inside a node, 990e12 / 400e9 across).
-BOOK_KNEE_H100 = {"inside a node": 2200, "across nodes": 2475}
+BOOK_KNEE_H100 = {span: Published(tokens, source="Austin et al., How to Scale Your Model, ch. 12")
+                  for span, tokens in (("inside a node", 2200), ("across nodes", 2475))}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import json
 import sys
 
 from shardlab import planner
-from shardlab.planner import hardware, transformer
+from shardlab.planner import hardware, network_model, transformer
 from shardlab.planner.report import anchors_dict, as_dict, text
 
 
@@ -54,12 +54,13 @@ def parse(argv) -> tuple[planner.Transformer, planner.GPUCluster, planner.Plan, 
     ap.add_argument("--compute", default="fraction", choices=("fraction", "roofline"),
                     help="fraction: FLOPs at --fraction of peak; roofline: each kernel against peak and memory "
                     "bandwidth (η fitted on torchtitan's A100 runs)")
-    ap.add_argument("--network-model", default="ideal", choices=("ideal", "nccl"), dest="network_model",
+    ap.add_argument("--network-model", default="ideal", choices=network_model.NETWORK_MODELS, dest="network_model",
                     help="ideal: line rates, perfect overlap (the default); nccl: NCCL's bus from published curves, "
                     "DDP's buckets, compute slowed beside a transfer (planner/network_model.py)")
-    ap.add_argument("--bucket-mb", type=float, help="--network-model nccl: DDP's bucket (default 25, PyTorch's)")
-    ap.add_argument("--overlap-efficiency", type=float, help="--network-model nccl: compute's speed beside a "
-                    "transfer (default 0.9, an assumption)")
+    ap.add_argument("--bucket-mb", type=float, help="needs --network-model nccl: DDP's bucket in MiB, > 0 "
+                    "(default 25, PyTorch's)")
+    ap.add_argument("--overlap-efficiency", type=float, help="needs --network-model nccl: compute's speed beside a "
+                    "transfer, in (0, 1] (default 0.9, an assumption)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args(argv)
     dims = {name: getattr(args, name) for name in transformer.SHAPE}
@@ -71,6 +72,7 @@ def parse(argv) -> tuple[planner.Transformer, planner.GPUCluster, planner.Plan, 
         raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
     if not 0 < args.fraction <= 1:
         raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
+    network_model.network_knobs(args.network_model, args.bucket_mb, args.overlap_efficiency, flags=True)
     cluster = planner.cluster(args.gpu, args.gpus, args.network, args.gpus_per_node, args.nics_per_node)
     plan = planner.Plan(args.plan, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         checkpointing=args.checkpointing, prefetch=not args.no_prefetch,
@@ -103,9 +105,9 @@ def main(argv=None) -> int:
                           **as_dict(pred, fraction=f),
                           "compare": [as_dict(p, fraction=f) for p in comparison["predictions"]],
                           "first_fit": first and first.plan.label, "fastest": fastest and fastest.plan.label,
-                          **anchors_dict(cluster.gpus, plan, f, net)}, indent=1))
+                          **anchors_dict(cluster.gpus, plan, f, **knobs)}, indent=1))
     else:
-        print(text(pred, comparison, fraction=f, compute=args.compute, network=net))
+        print(text(pred, comparison, fraction=f, compute=args.compute, **knobs))
     return 0
 
 

@@ -1,9 +1,12 @@
-"""The network model (``--network-model nccl``) beside published numbers: nccl-tests curves and scaling runs.
+"""The network model (``--network-model nccl``) beside published numbers: all-reduce curves and scaling runs.
 
 Two kinds of check, each a :class:`~shardlab.planner.published.Row`:
 
-* **the bus**: busbw at a message size on the curve α was fitted on (``kind="calibration"``,
-  shown, never counted) and on the curve it never saw (a prediction);
+* **the bus**: busbw at a message size on the curve α was fitted on (all_reduce_bench.py on
+  4 × 8 B200, ``kind="calibration"``, shown, never counted), and on the curve held out from that
+  fit (nccl-tests on 8 H200) two ways: the planner's own one-node bus (η·450 = 370 GB/s) against
+  it, the prediction; and the shape only, its plateau read off the same curve (``kind="shape"``,
+  shown, never counted);
 * **scaling**: throughput per GPU at each size of a published data-parallel or FSDP run, and the
   ratio from its smallest size to its largest, predicted with the same constants (nothing here is
   fitted on a run). Megatron-LM's ZeRO-3 collapse stays a miss, with its reason.
@@ -15,11 +18,10 @@ read exact numbers from a source, so none is invented here.
 
 from __future__ import annotations
 
-from shardlab.instruments.link import Link
-from shardlab.planner import Plan, cluster, gpu, model, network, step_time
+from shardlab.planner import cluster
 from shardlab.planner import network_model as nm
 from shardlab.planner import published as pub
-from shardlab.planner.hardware import GPUCluster
+from shardlab.planner.groups import group_link
 from shardlab.planner.published import TOLERANCE, Row
 
 #: the sizes of each curve notebook 08 shows (all from VALID_FROM up, where the model holds)
@@ -38,33 +40,36 @@ WHY = {
 
 
 def megatron_tflops(gpus: int) -> float:
-    micro, _ = pub.MEGATRON[gpus]
-    plan = Plan("zero3", micro_batch=micro, checkpointing="full")
-    return step_time(pub.GPT3, cluster("a100", gpus, "ib-hdr"), plan, network="nccl").tflops_per_gpu
+    return pub.megatron_tflops(gpus, network="nccl")
 
 
 def fsdp_tflops(gpus: int, batch: int) -> float:
-    cl = GPUCluster(gpu("a100"), gpus, 8, network("nvlink3"), Link("RoCE, 2 Tb/s a node", 250.0, 5.0), 8)
-    return step_time(pub.MINGPT, cl, Plan("zero3", micro_batch=batch, checkpointing="full"),
-                     network="nccl").tflops_per_gpu
+    return pub.fsdp_tflops(gpus, batch, network="nccl")
 
 
 def torchtitan_h100_tps(gpus: int) -> float:
-    plan = Plan("zero3", micro_batch=2, checkpointing="selective")
-    return step_time(model("llama3-8b"), cluster("h100-hbm2e", gpus, "ib-ndr"), plan, compute="roofline",
-                     network="nccl").tokens_per_s
+    return pub.torchtitan_h100_tps(gpus, network="nccl")
+
+
+def planner_one_node_bus_gbs() -> float:
+    """The bus the planner prices a collective on one 8-GPU NVLink 4 node with (GB/s): η·450 = 370."""
+    return group_link(cluster("h200", 8), 8, 8, "nccl").bandwidth_gbps / 8
 
 
 def bus_rows() -> list[Row]:
-    """busbw at :data:`SHOWN` sizes on both curves: the fitted one first, then the held-out one."""
+    """busbw at :data:`SHOWN` sizes: the fitted curve, then the held-out one against the planner's
+    bus (the prediction) and with its own plateau (the shape only)."""
     out = []
     for name, n, points, role in nm.CURVES:
         published = dict(points)
-        for size, ratio in nm.curve_ratios(n, points):
-            if size in SHOWN:
-                out.append(Row(f"{name}, {size // nm.MiB} MiB: busbw GB/s", SOURCE, published[size],
-                               ratio * published[size], TOLERANCE,
-                               kind="calibration" if role == "fitted" else "prediction"))
+        ways = ([("plateau read from the curve", None, "calibration")] if role == "fitted" else
+                [("the planner's bus", planner_one_node_bus_gbs(), "prediction"),
+                 ("shape only, plateau read from the curve", None, "shape")])
+        for how, plateau, kind in ways:
+            for size, ratio in nm.curve_ratios(n, points, plateau_gbs=plateau):
+                if size in SHOWN:
+                    out.append(Row(f"{name}, {size // nm.MiB} MiB, {how}: busbw GB/s", SOURCE, published[size],
+                                   ratio * float(published[size]), TOLERANCE, kind=kind))
     return out
 
 

@@ -14,9 +14,10 @@ them. Per micro-batch, unit by unit, as ``engine/zero3.py`` and ``engine/ddp.py`
   of the next step can hide that.
 
 The link carries one transfer at a time, in the order issued: a transfer starts when it is
-issued or when the link is free, whichever is later. That is the booking rule of
+issued or when the link is free, whichever is later (HSDP has two such links: the sharding
+group's and, across replicas, the network's). That is the booking rule of
 ``emulate_link`` on this machine, so the same replay predicts ShardLab's own steps. What one
-collective costs comes from :func:`group_link` (below): NVLink inside a node, the node's NICs
+collective costs comes from :func:`~shardlab.planner.groups.group_link`: NVLink inside a node, the node's NICs
 across nodes, priced by the α-β ring model of :func:`shardlab.instruments.link.link_delay`.
 """
 
@@ -26,15 +27,13 @@ import math
 from dataclasses import dataclass
 
 from shardlab.instruments import memory_math, stages
-from shardlab.instruments.link import link_delay
 from shardlab.planner import network_model as nm
 from shardlab.planner import roofline
 from shardlab.planner.compute import ACHIEVABLE_FRACTION, recompute_flops, step_flops, unit_flops
+from shardlab.planner.groups import groups
 from shardlab.planner.hardware import GPUCluster
 from shardlab.planner.plan import Plan, sharding_degree
 from shardlab.planner.transformer import Transformer, need_transformer
-
-NETWORK_MODELS = ("ideal", "nccl")
 
 
 @dataclass
@@ -49,29 +48,46 @@ class Unit:
 
 @dataclass(frozen=True)
 class Replay:
-    """What one step cost: its length, the compute in it, and the link's busy time."""
+    """What one step cost: its length, the compute in it, the links' busy time, and SM contention."""
 
     step_s: float
     compute_s: float
     link_s: float  # total seconds the links carried data (hidden or not)
+    contention_s: float = 0.0  # compute slowed beside hidden transfers (overlap_efficiency < 1)
 
     @property
     def exposed_comm_s(self) -> float:
-        """Time the GPU waited for the link: the step minus its compute."""
-        return max(0.0, self.step_s - self.compute_s)
+        """Time the GPU waited for a link: the step minus its compute and the contention."""
+        return max(0.0, self.step_s - self.contention_s - self.compute_s)
 
 
 class _Link:
     def __init__(self):
         self.free_at = 0.0
         self.busy = 0.0
+        self.spans = []  # (start, end) of each transfer
 
     def send(self, at: float, seconds: float) -> float:
         """Book a transfer issued at ``at``; return when it finishes."""
         start = max(at, self.free_at)
         self.free_at = start + seconds
         self.busy += seconds
+        self.spans.append((start, self.free_at))
         return self.free_at
+
+
+def _overlap(computing: list[tuple[float, float]], *links: _Link) -> float:
+    """Seconds of compute with at least one transfer beside it, on any link.
+
+    Two links busy beside the same compute second (HSDP's shard group and its replicas) count
+    it once: what the contention charges is compute slowed, not transfers carried."""
+    merged = []
+    for start, end in sorted(span for link in links for span in link.spans if span[1] > span[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(max(0.0, min(c1, t1) - max(c0, t0)) for c0, c1 in computing for t0, t1 in merged)
 
 
 def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cross=None, *,
@@ -82,13 +98,19 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
     ``overlap_param_gather``: ZeRO-1/2 gather the updated parameters unit by unit in the next
     forward (Megatron-LM's ``--overlap-param-gather``) instead of all at once after the step;
     in a steady state the next step's forward is this one's. ``overlap_efficiency``: compute's
-    speed while a transfer hides beside it (NCCL's kernels take SMs); each hidden second of
-    transfer adds (1 − it) seconds to the step, 1.0 is perfect overlap."""
+    speed while a transfer hides beside it (NCCL's kernels take SMs): each second of compute with
+    a transfer beside it adds (1 − it) seconds to the step, booked as ``contention_s`` (to first
+    order: the transfers are not moved later by it); 1.0 is perfect overlap."""
     row = stages.stage(stage)
     root, blocks = units[0], units[1:]
     link, net = _Link(), _Link()
     t = 0.0
     pending = []  # finish times of transfers the step must wait for
+    computing = []  # (start, end) of each unit's compute
+
+    def run(t, seconds):
+        computing.append((t, t + seconds))
+        return t + seconds
 
     def borrow(order, i, t, ready):
         """Gather unit ``i`` of ``order`` (unless prefetched), wait for it, prefetch the next."""
@@ -109,18 +131,18 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
         for i, u in enumerate(order):
             if row.shards_params or late_gather:
                 t = borrow(order, i, t, ready)
-            t += u.fwd_s
+            t = run(t, u.fwd_s)
         # backward: the head's gradient first, then the blocks in reverse; the root's
         # gradients are complete only after the embedding, at the very end
         ready = {}
         back = blocks[::-1]
         if row.shards_params and prefetch and back:  # the engine prefetches the last block's gather
             ready[back[0].name] = link.send(t, cost("all_gather", back[0].params))  # during the head's backward
-        t += root.bwd_s
+        t = run(t, root.bwd_s)
         for i, u in enumerate(back):
             if row.shards_params:
                 t = borrow(back, i, t, ready)
-            t += u.bwd_s
+            t = run(t, u.bwd_s)
             if row.reduce_as_ready:
                 pending += _reduce(u, row, last, t, link, net, cost, cross)
         # ZeRO-1 reduces nothing as gradients become ready (stages.reduce_as_ready, as the
@@ -132,9 +154,8 @@ def replay(units: list[Unit], stage, grad_accum: int, prefetch: bool, cost, cros
         for u in units:
             t = max(t, link.send(t, cost("all_gather", u.params)))
     compute = grad_accum * sum(u.fwd_s + u.bwd_s for u in units)
-    busy = link.busy + net.busy
-    hidden = min(compute, max(0.0, busy - max(0.0, t - compute)))  # transfer seconds under compute
-    return Replay(t + (1 - overlap_efficiency) * hidden, compute, busy)
+    contention = (1 - overlap_efficiency) * _overlap(computing, link, net)
+    return Replay(t + contention, compute, link.busy + net.busy, contention)
 
 
 def _reduce(u: Unit, row: stages.Stage, last: bool, t: float, link: _Link, net: _Link, cost, cross) -> list[float]:
@@ -155,59 +176,14 @@ def _reduce(u: Unit, row: stages.Stage, last: bool, t: float, link: _Link, net: 
 
 
 @dataclass(frozen=True)
-class GroupLink:
-    """The bus a collective group sees: bandwidth (Gbit/s per GPU) and per-hop latency (µs)."""
-
-    size: int
-    bandwidth_gbps: float
-    latency_us: float
-
-    def seconds(self, kind: str, params: float, itemsize: int) -> float:
-        """The α-β ring time of one collective on a full buffer of ``params`` elements."""
-        return link_delay(kind, int(params), itemsize, self.size, self.bandwidth_gbps, self.latency_us)
-
-
-def group_link(cluster: GPUCluster, size: int, per_node: int, network: str = "ideal") -> GroupLink:
-    """A ring of ``size`` GPUs, ``per_node`` of them on each node it touches.
-
-    Inside one node it runs on NVLink. Across nodes, NCCL spreads its rings over every NIC of
-    the node, so the ring's bus bandwidth is what its share of the node's NICs can carry
-    (``per_node / gpus_per_node`` of them; nccl-tests' bus bandwidth across 8-GPU nodes is the
-    node's NIC total, e.g. ~96 of 100 GB/s with 4 HDR NICs), capped by NVLink.
-
-    ``network``: "ideal" takes the line rates and the latencies of the link table; "nccl" what
-    NCCL reaches on them (:mod:`shardlab.planner.network_model`): η of each line rate and the
-    published curves' α per hop.
-    """
-    if network not in NETWORK_MODELS:
-        raise ValueError(f"network model must be one of {NETWORK_MODELS}, got {network!r}")
-    nccl = network == "nccl"
-    nvlink = cluster.intra.bandwidth_gbps * (nm.NVLINK_EFFICIENCY if nccl else 1)
-    if size <= 1 or size <= per_node:
-        return GroupLink(max(size, 1), nvlink, nm.ALPHA_US if nccl else cluster.intra.latency_us)
-    share = cluster.node_nic_bytes_per_s * per_node / cluster.gpus_per_node * 8 / 1e9
-    share *= nm.NIC_EFFICIENCY if nccl else 1
-    return GroupLink(size, min(nvlink, share), nm.ALPHA_US if nccl else cluster.inter.latency_us)
-
-
-def groups(cluster: GPUCluster, plan: Plan, network: str = "ideal") -> tuple[GroupLink, GroupLink | None]:
-    """The sharding group's link, and HSDP's replica group's link (None for the other plans)."""
-    n, g = cluster.gpus, sharding_degree(plan, cluster.gpus)
-    shard = group_link(cluster, g, min(g, cluster.gpus_per_node), network)
-    if plan.stage != "hsdp" or g == n:
-        return shard, None
-    reps_per_node = max(1, cluster.gpus_per_node // g) if g < cluster.gpus_per_node else 1
-    return shard, group_link(cluster, n // g, reps_per_node, network)
-
-
-@dataclass(frozen=True)
 class Timing:
     """One step on one GPU: its seconds, split, and the rates the papers report."""
 
     step_s: float
     compute_s: float
-    exposed_comm_s: float
+    exposed_comm_s: float  # waiting for a link
     link_s: float
+    contention_s: float  # compute slowed beside hidden transfers (``--overlap-efficiency``), not waiting
     tokens: float  # per GPU per step
     model_flops: float  # per GPU per step, no recompute (for MFU)
     hardware_flops: float  # per GPU per step, recompute included (Megatron-LM's TFLOPS)
@@ -234,19 +210,17 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     ``compute``: "fraction" prices a unit's FLOPs at ``fraction`` × peak; "roofline" prices each
     kernel against the GPU's peak and memory bandwidth (:mod:`shardlab.planner.roofline`).
     ``compute_s``: a measured compute time for one micro-batch's forward and backward (e.g. a
-    step on this machine with no slow link); the units keep their FLOP shares of it.
+    step on this machine with no slow link), recompute included when the plan checkpoints; the
+    units keep their FLOP shares of it (recompute's FLOPs counted), so they add up to it.
     ``matmul_efficiency``: the roofline's η, if not its fitted :data:`roofline.MATMUL_EFFICIENCY`.
     ``network``: "ideal" (line rates, every transfer hides where the link is free) or "nccl"
     (:mod:`~shardlab.planner.network_model`: NCCL's bus, DDP's all-reduce in ``bucket_mb`` buckets,
-    default PyTorch's 25, and compute at ``overlap_efficiency`` beside a transfer, default 0.9).
+    default PyTorch's 25, and compute at ``overlap_efficiency`` beside a transfer, default 0.9;
+    both only under "nccl", see :func:`~shardlab.planner.network_model.network_knobs`). A unit's DDP buckets are its own (a
+    unit under a bucket's size still pays a whole α; PyTorch merges small units into one
+    bucket) and are issued at the end of its backward (PyTorch issues each as it fills).
     """
-    nccl = network == "nccl"
-    bucket = (bucket_mb * nm.MiB if bucket_mb is not None else nm.DDP_BUCKET_BYTES) if nccl else None
-    eff = overlap_efficiency if overlap_efficiency is not None else (nm.OVERLAP_EFFICIENCY if nccl else 1.0)
-    if bucket is not None and not bucket > 0:
-        raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
-    if not 0 < eff <= 1:
-        raise ValueError(f"overlap_efficiency must be in (0, 1], got {overlap_efficiency!r}")
+    bucket, eff = nm.network_knobs(network, bucket_mb, overlap_efficiency)
     if compute not in ("fraction", "roofline"):
         raise ValueError(f"compute must be 'fraction' or 'roofline', got {compute!r}")
     if not 0 < fraction <= 1:
@@ -257,7 +231,7 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     if compute_s is not None:
         if not compute_s > 0:
             raise ValueError(f"compute_s must be a positive number of seconds, got {compute_s!r}")
-        rate = 3 * (m.layers * f["block"] + f["root"]) / compute_s  # FLOP/s this machine reached
+        rate = (3 * (m.layers * f["block"] + f["root"]) + m.layers * redo) / compute_s  # FLOP/s this machine reached
     if compute == "roofline" and compute_s is None:
         eta = matmul_efficiency
         root_s, block_s = roofline.root_seconds(m, plan, cluster.gpu, eta), roofline.block_seconds(m, plan, cluster.gpu, eta)
@@ -281,5 +255,5 @@ def step_time(model: Transformer, cluster: GPUCluster, plan: Plan, *, fraction: 
     run = replay(units, plan.row, plan.grad_accum, plan.prefetch, cost, cross if replicas else None,
                  overlap_param_gather=plan.overlap_param_gather, overlap_efficiency=eff)
     model_flops, hardware_flops = step_flops(m, plan)
-    return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s,
+    return Timing(run.step_s, run.compute_s, run.exposed_comm_s, run.link_s, run.contention_s,
                   plan.grad_accum * plan.micro_batch * m.seq, model_flops, hardware_flops, cluster.gpu.peak_flops)
