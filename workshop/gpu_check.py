@@ -7,7 +7,7 @@ Four steps, each printed as it runs and recorded (``--record``) to
 workshop/recorded/gpu_results.json, which notebook 06 shows:
 
 1. **node**: every GPU (name, memory), the topology (``nvidia-smi topo -m``), P2P access.
-2. **bandwidth**: all-gather, reduce-scatter and all-reduce, 1 MB to 256 MB, through
+2. **bandwidth**: all-gather, reduce-scatter and all-reduce, 1 MiB to 256 MiB, through
    ``shardlab.engine.comm`` under torchrun, as bus bandwidth in GB/s (the nccl-tests
    convention: bytes / time x (N-1)/N, x 2(N-1)/N for all-reduce), and the α-β fit.
 3. **stages**: ``python -m shardlab.train`` at stages 0-3 on every GPU: loss against stage 0's,
@@ -54,7 +54,7 @@ def parse_args(argv):
                    help="ranks for steps 2-3 (default: every GPU; a dry run: 2)")
     p.add_argument("--model", default=None, help="model for step 3 (default gpt-13m; a dry run: tiny)")
     p.add_argument("--steps", type=int, default=None, help="training steps per stage (default 20; a dry run: 3)")
-    p.add_argument("--sizes-mb", default=None, help="buffer sizes in MB (default 1,16,64,256; a dry run: 1,4)")
+    p.add_argument("--sizes-mb", default=None, help="buffer sizes in MiB, 2**20 bytes (default 1,16,64,256; a dry run: 1,4)")
     p.add_argument("--iters", type=int, default=None, help="timed collectives per size (default 10; a dry run: 2)")
     p.add_argument("--notebooks", default="00,04", help="notebooks to run headless (default 00,04; '' for none)")
     p.add_argument("--timeout", type=float, default=120, help="seconds before a stuck collective fails")
@@ -225,7 +225,7 @@ def _print_bandwidth(b: dict) -> None:
     print("\n".join(f"  {line}" for line in b["ranks"]))
     print(f"  {'collective':16}{'size':>8}  {'time':>9}  {'busbw (GB/s)':>12}")
     for r in b["rows"]:
-        print(f"  {r['kind']:16}{r['size_bytes'] / 2**20:>6.0f}MB  {r['seconds'] * 1e3:>7.2f}ms  {r['busbw_gbs']:>12.2f}")
+        print(f"  {r['kind']:16}{r['size_bytes'] / 2**20:>6.0f}MiB {r['seconds'] * 1e3:>7.2f}ms  {r['busbw_gbs']:>12.2f}")
     for kind, fit in b["fit"].items():
         print(f"  α-β fit, {kind}: β = {fit['bandwidth_gbs']:.2f} GB/s, α = {fit['latency_us']:.1f} µs")
     for kind, why in b["no_fit"].items():

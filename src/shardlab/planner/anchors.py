@@ -66,7 +66,7 @@ def knee(tokens_per_micro_batch: int, cluster: GPUCluster, plan: Plan, *, fracti
     flops = 6 if plan.checkpointing == "full" else 4  # backward FLOPs per parameter per token
     moved = _backward_bytes_per_param(plan, memory_math.recipe(plan.recipe).param_bytes)
     tokens = fraction * cluster.gpu.peak_flops / bus * moved / flops * (n - 1) / max(n, 1)
-    formula = (f"m·C/W × {moved:g}/{flops} B per FLOP × (N−1)/N = {fraction:g} × {cluster.gpu.peak_flops / 1e12:.0f} TFLOPS"
+    formula = (f"m·C/W × ({moved:g} B moved / {flops} FLOPs, per parameter per token) × (N−1)/N = {fraction:g} × {cluster.gpu.peak_flops / 1e12:.0f} TFLOPS"
                f" / {bus / 1e9:.0f} GB/s × {moved / flops:.2f} × {n - 1}/{n}")
     span = "inside a node" if cluster.nodes == 1 or n <= cluster.gpus_per_node else "across nodes"
     book = BOOK_KNEE_H100[span] if cluster.gpu.name in ("h100", "h200") else None
