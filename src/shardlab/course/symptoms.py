@@ -3,8 +3,8 @@
 A *run* is a plan (stage, units, options, batch) of the course GPT, trained a step or two,
 with an instrument around it: :func:`peak` (memory by category over one step,
 ``track_memory``), :func:`accumulate` (the gradient bytes held between two micro-batches, and
-the ledger of the step), :func:`link_times` (step times on an emulated link, with the link time
-booked by the emulator, and one step's bytes on the wire). Every number they return was measured
+the ledger of the step), :func:`link_times` (step times on an emulated link, and optionally
+without it, with the link time booked by the emulator, and one step's bytes on the wire). Every number they return was measured
 on this rank, except the ledger's ``ring_*`` bytes and ``formula_s``, which are the ring formula
 (tagged ``Formula``); the formulas to set beside the rest live in
 :mod:`shardlab.instruments.memory_math`.
@@ -31,8 +31,8 @@ from shardlab.instruments.timeline import trace
 from shardlab.instruments.traffic import count_comm
 
 #: What ``units=`` means in a plan: one unit per block (the default), one unit holding the whole
-#: model (FSDP1 without an auto-wrap policy; a DeepSpeed bucket larger than the model), or one
-#: per ``nn.Linear`` (many small units, as DeepSpeed's per-module gathers).
+#: model (FSDP1 without an auto-wrap policy), or one per ``nn.Linear`` (many small units, as
+#: DeepSpeed's ZeRO-3 gathers one submodule at a time).
 UNITS = {"blocks": None, "whole": lambda m: False, "linear": nn.Linear}
 
 
@@ -104,16 +104,19 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
                 ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), weights=weights)
 
 
-def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
+def link_times(plans: dict, link="1GbE", steps: int = 3, loopback: bool = False) -> dict:
     """Each plan's step on an emulated ``link``, in interleaved rounds (one warm-up).
 
-    Returns ``{name: {"step_s": [...], "link_s": [...], "formula_s": s, "calls": n, "gathers": n,
-    "units": n, "events": [...]}}``: the measured seconds of each step, the link time the
-    emulator booked for its collectives, the same by the α-β ring formula from the ledger's
-    records, the collectives of one step, the plan's units, and that step's trace (``trace()``);
-    and that step's traffic: ``elements`` (the paper's volume, counted), ``ring_bytes`` (the ring
-    formula, all collectives), ``ring_rs`` (the same, reduce-scatters alone) and ``wire_bytes``
-    (measured on this rank's sockets, on the loopback).
+    Returns ``{name: {"step_s": [...], "link_s": [...], "waited_s": [...], "formula_s": s,
+    "calls": n, "gathers": n, "units": n, "events": [...]}}``: the measured seconds of each step,
+    the link time the emulator booked for its collectives, the part of it the emulator slept
+    (what the step had not already spent on the loopback and on compute), the same link time by
+    the α-β ring formula from the ledger's records, the collectives of one step, the plan's units,
+    and a warmed-up step's trace (``trace()``); and that step's traffic: ``elements`` (the
+    paper's volume, counted), ``ring_bytes`` (the ring formula, all collectives), ``ring_rs``
+    (the same, reduce-scatters alone) and ``wire_bytes`` (measured on this rank's sockets, on the
+    loopback). With ``loopback``, every round also steps each plan with no emulated link,
+    ``loop_s``: the same steps' time without the link, measured in the same rounds.
     """
     sizes = {name: plan.get("batch_size", 8) for name, plan in plans.items()}
     if len(set(sizes.values())) > 1:  # the rounds interleave the plans on the same batches
@@ -122,17 +125,19 @@ def link_times(plans: dict, link="1GbE", steps: int = 3) -> dict:
     runs = {name: build(plan) for name, plan in plans.items()}
     batch_plan = next(iter(plans.values()))
     batches = _batches(next(iter(runs.values()))[0], batch_plan, steps + 1)
+    links = {"link": link, "loopback": None} if loopback else {"link": link}
+    timed = measure.time_links(runs, batches, links, warmup=1)
     out = {}
-    for name, (model, optimizer) in runs.items():  # the collectives of one step
+    for name, (model, optimizer) in runs.items():  # the collectives of one step, warmed up
         with count_comm() as ledger, trace() as tr:
             measure.train_step(model, optimizer, *batches[0])
         out[name] = dict(calls=ledger.calls(), gathers=ledger.calls("all_gather"),
                          units=len(engine_of(model).units), events=tr.events, elements=ledger.elements(),
                          ring_bytes=ledger.ring_bytes(), ring_rs=ledger.ring_bytes("reduce_scatter"), wire_bytes=ledger.wire_bytes(),
                          formula_s=measure.predicted_link_s(ledger.records, dist.get_world_size(), link))
-    timed = measure.time_steps(runs, batches, warmup=1, link=link)
-    for name in runs:
-        out[name].update(step_s=timed[name]["step_s"], link_s=timed[name]["link_s"])
+        out[name].update(timed["link"][name])
+        if loopback:
+            out[name]["loop_s"] = timed["loopback"][name]["step_s"]
     return out
 
 
