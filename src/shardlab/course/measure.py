@@ -211,8 +211,8 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
     benchmark's default and nccl-tests do it, would not count them. These rows are that
     benchmark's ``--with-host-overhead`` timing instead: what a call costs when the program waits
     for its result. So at small sizes they read slower than queued timing, and the latency α
-    that ``fit_link`` fits to them is an upper bound on a queued call's; bandwidth at large sizes,
-    where one call takes far longer than its launch, is barely affected.
+    that ``fit_link`` fits to them is an upper bound on a queued call's; the larger the buffer,
+    the smaller that overhead's share of a call.
     """
     world = dist.get_world_size()
     rows = []
