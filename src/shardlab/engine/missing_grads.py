@@ -26,7 +26,7 @@ How each step keeps the convention exact:
   that the backend keeps the sign of zero (:func:`check_backend_keeps_sign`).
 - **Dividing and keeping.** ÷N, the cast into the master's dtype, or the addition to an
   earlier micro-batch's gradient in a narrower dtype *can* round a tiny sum to ``-0.0``
-  (in fp16 ÷2 does it to any sum below 6e-8). :func:`add_average` reads which elements are
+  (in fp16 ÷N does it to a negative sum down to -N × 3e-8). :func:`add_average` reads which elements are
   missing before that arithmetic and writes that answer back after it (on the device, no host
   sync): ``-0.0`` where they were missing, ``+0.0`` for any other zero.
 
