@@ -24,7 +24,12 @@ import sys
 import traceback
 
 import torch
-from torch.utils import backend_registration
+from private_torch import why_not
+
+if why_not():  # before touching any of them: one clear line instead of a traceback
+    sys.exit(f"fake_gpu_worker: {why_not()}")
+
+from torch.utils import backend_registration  # noqa: E402
 
 DEVICE = "fakegpu"
 

@@ -39,16 +39,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from private_torch import why_not
 from support import slowdown
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
-from torch.overrides import TorchFunctionMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_leaves
 
-import shardlab
-from shardlab import models
-from shardlab.engine import comm
-from shardlab.instruments import memory_math as mm
+if why_not():  # test_torch_internals.py fails naming them; here, one skip that says why
+    pytest.skip(why_not(), allow_module_level=True)
+
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+import shardlab  # noqa: E402
+from shardlab import models  # noqa: E402
+from shardlab.engine import comm  # noqa: E402
+from shardlab.instruments import memory_math as mm  # noqa: E402
 
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "equal", "nonzero"}
 # Where a start-up sync is expected, and why (file of the engine that reads a value).
@@ -181,12 +186,21 @@ STEP_CONFIGS += [(3, 3, False), (3, 3, True)]  # a world size that doesn't divid
 
 @functools.cache
 def _run_worker() -> subprocess.CompletedProcess:
-    """Once per session, even when it fails (a failing module fixture would run again per test)."""
+    """Once per session, even when it fails (a failing module fixture would run again per test).
+
+    A timeout is a failure like any other: ``functools.cache`` does not keep a raised exception,
+    so it becomes a failed result (exit code None) carrying what the worker wrote before it was
+    killed, and the other tests read that instead of waiting out the timeout again each.
+    """
     worker = Path(__file__).with_name("fake_gpu_worker.py")
     src = str(Path(shardlab.__file__).parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, str(worker), json.dumps(STEP_CONFIGS)], capture_output=True, text=True,
-                          env=env, timeout=slowdown(120))
+    args, limit = [sys.executable, str(worker), json.dumps(STEP_CONFIGS)], slowdown(120)
+    try:
+        return subprocess.run(args, capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as e:  # its output is bytes, whatever text=True says
+        said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return subprocess.CompletedProcess(args, None, "", f"{said}\n(killed after {limit:.0f} s: timed out)")
 
 
 @pytest.fixture

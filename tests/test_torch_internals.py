@@ -2,12 +2,15 @@
 
 ``instruments/fsdp2.py`` wraps FSDP2's parameter-group methods and reads its training state;
 ``instruments/collectives.py`` reads a ReduceOp's TorchScript type name; ``course/symptoms.py``
-reads the default group's timeout. None of them is public API (tested on torch 2.13): when an
+reads the default group's timeout; the fake-GPU tests (``fake_gpu_worker.py``,
+``test_fake_cuda.py``) register torch's Python stand-in accelerator and make fake tensors and a
+fake process group (the names are listed in ``private_torch.py``). None of them is public API (tested on torch 2.13): when an
 upgrade renames one, this test names it, instead of an AttributeError deep in a live run.
 """
 
 import torch
 import torch.distributed as dist
+from private_torch import FAKE_GPU, lacking
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -27,3 +30,8 @@ def test_the_reduce_op_and_group_internals():
     c10d = dist.distributed_c10d
     assert callable(getattr(c10d, "_get_default_group", None)), f"{WHERE}: _get_default_group is gone (symptoms.py)"
     assert callable(getattr(dist.ProcessGroup, "_get_backend", None)), f"{WHERE}: ProcessGroup._get_backend is gone"
+
+
+def test_the_private_names_the_fake_gpu_tests_use():
+    gone = lacking(FAKE_GPU)
+    assert not gone, f"{WHERE}: lacks {gone}; test_fake_cuda.py and fake_gpu_worker.py need them"

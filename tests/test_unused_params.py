@@ -93,3 +93,22 @@ def test_a_never_used_parameter_keeps_grad_none_and_its_value():
             assert unchanged, stage
             if stage in (0, 3):  # the stages whose p.grad is the real gradient
                 assert grad_is_none, stage
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_gradient_rounded_to_zero_still_counts_as_used_on_every_rank(world_size):
+    """Rank 0 alone gives ``p`` a gradient so tiny that a narrowing cast (the fp16 pack, the
+    bf16 master) or the ÷N rounds it to zero with the sign of a "no gradient" ``-0.0``
+    (``uw.TINY``; in one backward, or in one of two synced ones). One rank used p, so every
+    rank must call it used and step it (AdamW's weight decay moves each element), and the ranks'
+    models must stay bit-identical. Before the fix the rank that used p stepped it and the
+    others skipped it: stage 0's replicas drifted apart, at stages 1-3 only rank 0's piece of p
+    moved, and with p used in the first micro-batch only, no rank stepped it."""
+    configs = [dict(case=case, stage=stage) for case in uw.TINY for stage in range(4)]
+    results = run_ranks(uw.train_tiny_many, world_size, configs, timeout=slowdown(240))
+    for i, cfg in enumerate(configs):
+        for r in range(world_size):
+            used, before, after = results[r][i]
+            assert used, (cfg, r)
+            assert (after["p"] != before["p"]).all(), (cfg, r, before["p"], after["p"])
+            assert max_diff(after, results[0][i][2]) == 0.0, (cfg, r)

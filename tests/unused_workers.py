@@ -197,3 +197,52 @@ def spare_after_one_step() -> list[tuple[bool, bool]]:
         opt.step()
         out.append((grad_is_none, torch.equal(shardlab.full_state_dict(model)["blocks.0.spare"], before)))
     return out
+
+
+# -- a gradient so small that rounding makes it -0.0 (round 3, M1) ----------------------------
+# case: (the model's dtype, mixed_precision, the gradient rank 0 alone gives ``p``, and why it
+# reaches the reduced gradient as -0.0 unless the engine keeps "-0.0 only if no rank sent one")
+TINY = {
+    "cast": (torch.float32, shardlab.MixedPrecision(torch.float32, torch.float16), -1e-8),  # fp16 pack rounds it
+    "divide": (torch.float32, None, -(2.0**-149)),  # fp32's smallest: the sum / N rounds it
+    "divide-fp16": (torch.float32, shardlab.MixedPrecision(torch.bfloat16, torch.float16), -(2.0**-24)),
+    "bf16-master": (torch.bfloat16, shardlab.MixedPrecision(torch.bfloat16, torch.float32), -(2.0**-133)),
+    "accumulate": (torch.float32, None, -(2.0**-149)),  # two synced backwards, p used in the second only
+    "accumulate-first": (torch.float32, None, -(2.0**-149)),  # ... in the first only
+}
+PASSES = {"accumulate": ["none", "tiny"], "accumulate-first": ["tiny", "none"]}  # else one backward
+
+
+class Probe(nn.Module):
+    """One unit (the root) of two params: ``p`` has 5 elements, so at stage 3 each of 2 or 3
+    ranks holds a piece of it; ``q`` is used by every rank, so no rank skips the unit."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = nn.Parameter(torch.randn(5, dtype=dtype))
+        self.q = nn.Parameter(torch.randn(1, dtype=dtype))
+
+    def forward(self, c):
+        out = (self.q * self.q).sum()
+        return out if c is None else out + (self.p * c).sum()  # p's gradient is exactly c
+
+
+def train_tiny(case: str, stage: int) -> tuple[bool, dict, dict]:
+    """One step where rank 0 alone gives ``p`` the case's tiny gradient: (this rank says p was
+    used, the full state dict before the step, after it). AdamW's weight decay moves every
+    element of a param that is stepped, even with a zero gradient."""
+    dtype, precision, tiny = TINY[case]
+    model, opt = shardlab.parallelize(Probe(dtype), stage=stage, mixed_precision=precision,
+                                      optimizer_cls=torch.optim.AdamW, lr=0.1, weight_decay=0.5)
+    before = shardlab.full_state_dict(model)
+    for use in PASSES.get(case, ["tiny"]):
+        model(torch.full((5,), tiny, dtype=dtype) if use == "tiny" and dist.get_rank() == 0 else None).backward()
+    unit = next(u for u in shardlab.engine_of(model).units if any(x is model.p for x in u.params))
+    used = [i for i, x in enumerate(unit.params) if x is model.p][0] not in unit.unused
+    opt.step()
+    return used, before, shardlab.full_state_dict(model)
+
+
+def train_tiny_many(configs: list[dict]) -> list[tuple[bool, dict, dict]]:
+    return [train_tiny(**cfg) for cfg in configs]

@@ -203,6 +203,16 @@ def collective_times(sizes_mb=(1, 4, 16), iters: int = 5, device=None) -> list[d
     its last rank does). The row keeps the fastest of those calls: on a shared CPU a call the
     scheduler interrupted is slow for reasons the link does not have, and a mean would keep them.
     ``workshop/gpu_check.py`` and notebook 06 feed these to :func:`~shardlab.instruments.link.fit_link`.
+
+    On CUDA each timed call is the same: it starts on an idle GPU and ends with a host sync, so
+    its time includes the call's launch, PyTorch's host overhead (20-30 µs a call, as stas00's
+    ``ml-engineering`` network benchmarks README publishes it) and the sync. A training loop
+    whose host runs ahead of the GPU hides those behind queued work; queued timing, as that
+    benchmark's default and nccl-tests do it, would not count them. These rows are that
+    benchmark's ``--with-host-overhead`` timing instead: what a call costs when the program waits
+    for its result. So at small sizes they read slower than queued timing, and the latency α
+    that ``fit_link`` fits to them is an upper bound on a queued call's; the larger the buffer,
+    the smaller that overhead's share of a call.
     """
     world = dist.get_world_size()
     rows = []

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engine import comm, events
 from shardlab.engine.flat import FlatUnit, Reduction
-from shardlab.engine.missing_grads import check_backend_keeps_sign
+from shardlab.engine.missing_grads import add_average, check_backend_keeps_sign
 from shardlab.engine.units import (
     broadcast_untrained_state,
     check_same_model_on_every_rank,
@@ -258,12 +258,12 @@ class Engine:
             if self.params_hold_grads:
                 unit.set_param_grads(grad, skip=unit.unused)
 
-    def accumulate(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        """Give the optimizer ``grad``; add to an earlier one unless the params already did."""
-        if unit.master.grad is None or self.grads_in_params:
-            unit.master.grad = grad.to(unit.master.dtype)
-        else:
-            unit.master.grad += grad
+    def accumulate(self, unit: FlatUnit, total: torch.Tensor) -> None:
+        """Give the optimizer ``total / N`` (``total``: a reduced SUM); add it to an earlier
+        one unless the params already did. ``add_average`` keeps ``-0.0`` meaning "no rank
+        used it" through the division and the cast (``missing_grads.py``)."""
+        earlier = None if unit.master.grad is None or self.grads_in_params else unit.master.grad
+        unit.master.grad = add_average(earlier, total, self.world_size, unit.master.dtype)
 
     @contextmanager
     def no_sync(self):

@@ -44,7 +44,7 @@ class DataParallel(Engine):
         return Reduction(unit, comm.all_reduce(grad, unit=unit.name, async_op=True), grad)
 
     def keep_grads(self, reduction: Reduction) -> None:
-        reduction.grad.div_(self.world_size)  # SUM / N: gloo's ReduceOp.AVG cannot be trusted
+        """The landed SUM, divided by N (gloo's ReduceOp.AVG cannot be trusted), is the gradient."""
         self.accumulate(reduction.unit, reduction.grad)
 
     def after_step(self, unit: FlatUnit) -> None:

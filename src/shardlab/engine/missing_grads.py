@@ -11,16 +11,29 @@ gradients that exist, divided by N. Flat shards make two things hard:
    stage 3 walks the units in one order too, and ``lockstep.UnitWalk.walked_past`` says when a
    skipped unit's reduction is due during backward.
 2. **After the reduction every rank must know whether *any* rank used a parameter,** with no
-   extra collective. The convention: when a unit packs its gradients, a parameter with no
-   gradient here is sent as ``-0.0`` (:func:`send_missing`) and one with a gradient as
-   ``grad + 0.0`` (:func:`send_present`, never ``-0.0``). In IEEE arithmetic a sum is ``-0.0``
-   only if every term is, so a parameter whose part of the reduced gradient is all ``-0.0`` was
-   used by no rank (:func:`find_unused`). ``parallelize`` checks once that the backend keeps the
-   sign of zero (:func:`check_backend_keeps_sign`).
+   extra collective. The convention: an element of the reduced gradient is ``-0.0`` exactly
+   when every rank sent ``-0.0`` for it, that is when no rank gave its parameter a gradient.
 
-After backward :func:`mark_unused` lists a unit's unused params; they keep ``grad = None``, and
-the optimizers, which step one piece per parameter, give their pieces no gradient, so torch's
-optimizer skips them (``per_param.py``).
+How each step keeps the convention exact:
+
+- **Sending.** A parameter with no gradient here is sent as ``-0.0`` (:func:`send_missing`);
+  one with a gradient is copied into the pack's dtype and *then* ``+0.0`` is added
+  (:func:`send_present`), so nothing it sends is ``-0.0``, even where the cast to a narrower
+  dtype (fp32 to fp16) rounds a tiny negative gradient to zero.
+- **Summing.** In IEEE arithmetic, rounding to nearest, a sum is ``-0.0`` only if every term
+  is: terms that cancel exactly give ``+0.0``, and a nonzero sum of values of one dtype is a
+  multiple of its smallest subnormal, so it never rounds to zero. ``parallelize`` checks once
+  that the backend keeps the sign of zero (:func:`check_backend_keeps_sign`).
+- **Dividing and keeping.** ÷N, the cast into the master's dtype, or the addition to an
+  earlier micro-batch's gradient in a narrower dtype *can* round a tiny sum to ``-0.0``
+  (in fp16 ÷N does it to a negative sum down to -N × 3e-8). :func:`add_average` reads which elements are
+  missing before that arithmetic and writes that answer back after it (on the device, no host
+  sync): ``-0.0`` where they were missing, ``+0.0`` for any other zero.
+
+So every rank reads the same verdict from its reduced gradient: a parameter whose part is all
+``-0.0`` was used by no rank (:func:`find_unused`). After backward :func:`mark_unused` lists a
+unit's unused params; they keep ``grad = None``, and the optimizers, which step one piece per
+parameter, give their pieces no gradient, so torch's optimizer skips them (``per_param.py``).
 """
 
 from __future__ import annotations
@@ -38,8 +51,13 @@ def send_missing(out: torch.Tensor) -> None:
 
 
 def send_present(grad: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy a gradient that exists, turning any ``-0.0`` into ``+0.0`` (adding ``+0.0`` does)."""
-    torch.add(grad, 0.0, out=out)
+    """Copy a gradient that exists, then turn any ``-0.0`` into ``+0.0`` (adding ``+0.0`` does).
+
+    The ``+0.0`` is added after the copy, in ``out``'s dtype: a narrowing cast (fp32 to fp16)
+    can round a tiny negative gradient to ``-0.0``, which would read as "no gradient here".
+    """
+    out.copy_(grad)
+    out.add_(0.0)
 
 
 def is_missing(t: torch.Tensor) -> torch.Tensor:
@@ -47,8 +65,28 @@ def is_missing(t: torch.Tensor) -> torch.Tensor:
     return (t == 0) & t.signbit()
 
 
-def find_unused(ranges: list[tuple[int, int]], grad: torch.Tensor) -> list[int]:
-    """Indices of the params whose part of the reduced ``grad`` is all ``-0.0`` (no rank used them).
+def add_average(into: torch.Tensor | None, total: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``into + total / n`` in ``dtype`` (``total / n`` when ``into`` is None), with the
+    convention kept exact: ``-0.0`` where ``total`` (and ``into``) are ``-0.0``, nowhere else.
+
+    ``total`` is a reduced SUM (divided in place); ``into`` an earlier micro-batch's average,
+    added to in place. ÷N and a narrowing cast can round a tiny sum to ``-0.0``, and ranks
+    that gave the parameter a gradient would then disagree with those that gave none about
+    whether it was used (``mark_unused``). So the missing elements are read first and written
+    back last: elementwise work on the device, no host sync.
+    """
+    missing = is_missing(total) if into is None else is_missing(total) & is_missing(into)
+    total.div_(n)  # SUM / N: gloo's ReduceOp.AVG cannot be trusted
+    if into is None:
+        into = total.to(dtype)
+    else:
+        into += total
+    return into.add_(0.0).masked_fill_(missing, -0.0)  # every zero +0.0, then the missing ones -0.0
+
+
+def find_unused(ranges: list[tuple[int, int]], grad: torch.Tensor, candidates: list[int]) -> list[int]:
+    """Which params of ``candidates`` have a part of the reduced ``grad`` that is all ``-0.0``
+    (no rank used them).
 
     ``ranges`` says where each param lies in ``grad`` (``FlatUnit.ranges``). The rule is
     ``is_missing(grad[a:b]).all()``; reading each part's first element first, all in one
@@ -56,12 +94,11 @@ def find_unused(ranges: list[tuple[int, int]], grad: torch.Tensor) -> list[int]:
     scanned only for the few that may be unused.
 
     The ``.tolist()`` is a host sync: the answer decides on the host which ``p.grad`` become
-    None. :func:`mark_unused` calls this only for a unit where this rank gave some param no
-    gradient, so a step where every rank used every param reads nothing on the host. It runs
-    after every reduction has landed (``base._finalize_backward``), so it waits for no
-    collective and overlaps nothing.
+    None. :func:`mark_unused` asks only about the params this rank gave no gradient, so a step
+    where every rank used every param reads nothing on the host. It runs after every reduction
+    has landed (``base._finalize_backward``), so it waits for no collective and overlaps nothing.
     """
-    spans = [(i, a, b) for i, (a, b) in enumerate(ranges) if b > a]
+    spans = [(i, *ranges[i]) for i in candidates if ranges[i][1] > ranges[i][0]]
     if not spans:
         return []
     firsts = is_missing(grad[torch.tensor([a for _, a, _ in spans], device=grad.device)]).tolist()
@@ -77,10 +114,10 @@ def mark_unused(ranges: list[tuple[int, int]], grad: torch.Tensor | None,
     """
     if grad is None:
         return [], None
-    # This rank sent ``grad + 0.0`` (never -0.0) for every param it gave a gradient, and a sum
-    # with one term that is not -0.0 is not -0.0: when it gave every param one, no param of
-    # this unit can be unused, and there is nothing to read (no host sync on the usual step).
-    unused = find_unused(ranges, grad) if no_grad_here else []
+    # A param this rank gave a gradient was used: nothing it sent was -0.0, so its part of the
+    # sum is not -0.0 (module docstring). Only the others are read, and a step where this rank
+    # gave every param a gradient reads nothing on the host.
+    unused = find_unused(ranges, grad, sorted(no_grad_here))
     all_unused = bool(unused) and len(unused) == sum(b > a for a, b in ranges)
     # A piece with no elements here cannot say whether another rank used its param: it counts
     # as unused (grad None) only if this rank gave it no gradient either.
