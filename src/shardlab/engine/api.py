@@ -42,7 +42,8 @@ _live: weakref.WeakSet = weakref.WeakSet()  # parallelized models alive in this 
 class MixedPrecision:
     """Compute and gather weights in ``param_dtype``; reduce gradients in ``reduce_dtype``.
 
-    The master weights and optimizer state always stay in fp32 (the paper's 2 + 2 + 12 bytes).
+    The master weights and optimizer state stay in the model's own dtype: fp32 for an fp32
+    model (the paper's 2 + 2 + 12 bytes); a model already cast to bf16 keeps bf16 masters.
     Reducing in fp32 (the default) avoids summing N low-precision gradients in low precision.
     """
 
