@@ -20,6 +20,10 @@ def a_checkpoints_instead():  # lowers both peaks; stage 3 stays above ZeRO-2
     return "unit_gathered_whole", {"checkpointing": True}
 
 
+def a_keeps_the_weights_gathered():  # the one unit is still gathered whole, and now kept for backward
+    return "unit_gathered_whole", {"reshard_after_forward": False}
+
+
 def a_changes_nothing():
     return "unit_gathered_whole", {"units": "whole"}
 
@@ -109,6 +113,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "a: blames collectives": (A, a_blames_collectives, "wrong_cause", "a single unit"),
     "a: drops to ZeRO-2": (A, a_drops_to_zero2, "symptom_remains", "gives up sharding the weights"),
     "a: checkpoints instead": (A, a_checkpoints_instead, "symptom_remains", "still not below ZeRO-2's"),
+    "a: keeps the weights gathered": (A, a_keeps_the_weights_gathered, "symptom_remains", "still not below ZeRO-2's"),
     "a: changes nothing": (A, a_changes_nothing, "no_change", "the run already has units='whole'"),
     "a: invents a cause": (A, a_invents_a_cause, "unknown_cause", "is not one of the course's causes"),
     "b: blames the unit": (B, b_blames_the_unit, "wrong_cause", "the units are blocks here"),
