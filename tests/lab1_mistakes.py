@@ -42,6 +42,10 @@ def split_always_pads_a_row(flat, world_size):  # world_size - numel % world_siz
     return list(torch.nn.functional.pad(flat, (0, world_size - flat.numel() % world_size)).chunk(world_size))
 
 
+def split_by_size_not_count(flat, world_size):  # split(k) takes a chunk size, not a count
+    return list(_pad(flat, world_size).split(world_size))
+
+
 def split_padded_to_four(flat, world_size):
     return list(_pad(flat, 4).chunk(world_size))
 
@@ -225,6 +229,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padding from torch.empty": (PAD, split_padding_from_empty, "padding_not_zeros", "must be zeros"),
     "a row of padding when it divides": (PAD, split_always_pads_a_row, "too_much_padding", "not when it already divides"),
     "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
+    "split by size, not count": (PAD, split_by_size_not_count, "size_not_count", "take a chunk size k, not a shard count"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),

@@ -113,6 +113,22 @@ def step_zero_grad_before_step(flat, grad, master, optimizer, world_size):
     comm.all_gather(flat, master.detach())
 
 
+def step_gathers_before_the_step(flat, grad, master, optimizer, world_size):  # gather, then step
+    master.grad = _mean_shard(grad, master, world_size)
+    comm.all_gather(flat, master.detach())
+    optimizer.step()
+
+
+def step_adds_to_master_grad(flat, grad, master, optimizer, world_size):  # += as the engine accumulates, never cleared
+    shard = _mean_shard(grad, master, world_size)
+    if master.grad is None:
+        master.grad = shard
+    else:
+        master.grad += shard
+    optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
 def step_all_reduce_and_slice(flat, grad, master, optimizer, world_size):  # right weights, 2x traffic
     total = grad.clone()
     all_reduce(total)
@@ -149,6 +165,9 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "step forgets the all-gather": (STEP, step_forgets_the_all_gather, "no_all_gather", "did not change"),
     "step gathers into a new tensor": (STEP, step_gathers_into_a_new_tensor, "gathered_not_in_place",
                                        "Gather in place"),
+    "step gathers before the step": (STEP, step_gathers_before_the_step, "gathered_before_step",
+                                     "you all-gathered before optimizer.step()"),
+    "step adds to master.grad": (STEP, step_adds_to_master_grad, "grad_not_cleared", "you added to master.grad"),
     "step copies only its own shard": (STEP, step_copies_only_its_own_shard, "drift", "drift apart"),
     "step not divided": (STEP, step_not_divided, "not_divided", "too large: the collective SUMs over"),
     "step not divided, then zero_grad": (STEP, step_not_divided_then_zero_grad, "not_divided", "too large"),

@@ -145,6 +145,10 @@ def when_ready_tensor_hook(params, on_ready):
         p.register_hook(hook)
 
 
+def when_ready_multi_grad_hook(params, on_ready):  # torch's "all of these have gradients": tensor hooks inside
+    torch.autograd.graph.register_multi_grad_hook(params, lambda grads: on_ready())
+
+
 def when_ready_every_hook(params, on_ready):
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: on_ready())
@@ -182,6 +186,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "countdown not re-armed": (READY, when_ready_not_rearmed, "not_rearmed", "never ran for blocks.0 in the second backward"),
     "counts up, never reset": (READY, when_ready_counts_up_never_reset, "not_rearmed", "did not start again"),
     "tensor hook instead of post-accumulate": (READY, when_ready_tensor_hook, "tensor_hook", "register_post_accumulate_grad_hook"),
+    "torch's multi-grad hook": (READY, when_ready_multi_grad_hook, "tensor_hook", "register_multi_grad_hook, which is built"),
     "on_ready at every hook": (READY, when_ready_every_hook, "fires_every_hook", "after every gradient"),
 }
 ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3

@@ -47,6 +47,14 @@ def forward_gathers_async_and_waits(unit, x):  # correct: start, then wait, then
     return out
 
 
+def forward_gathers_twice(unit, x):  # correct, if redundant: a gathered unit's gather() does nothing
+    unit.gather()
+    unit.gather()
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
 # -- prepare_backward ---------------------------------------------------------------------------
 def prepare_backward_no_regather(unit, out):
     lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
@@ -123,5 +131,6 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
 ON_THREE: dict = {}
 CORRECT = {
     "forward starts the gather, then waits": (FORWARD, forward_gathers_async_and_waits),
+    "forward gathers twice": (FORWARD, forward_gathers_twice),
     "free before reduce-scatter (FSDP2's order)": (BACKWARD, prepare_backward_free_then_reduce),
 }

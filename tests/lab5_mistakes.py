@@ -134,6 +134,24 @@ def prefetch_next_by_identity(order, unit):  # correct: a loop instead of index(
             order[i + 1].gather(async_op=True)
 
 
+def forward_prefetch_frees_a_unit_late(units, x):  # frees the previous unit one iteration late
+    prev = None
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather(async_op=True)
+        if prev is not None:
+            prev.free()
+        x = unit.module(x)
+        prev = unit
+    prev.free()
+    return x
+
+
+def prefetch_next_wraps_around(order, unit):  # % len(order): the last unit prefetches the first again
+    order[(order.index(unit) + 1) % len(order)].gather(async_op=True)
+
+
 FORWARD, NEXT = "lab5.forward_prefetch", "lab5.prefetch_next"
 WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
     "every gather started up front": (FORWARD, forward_prefetch_everything_upfront, "too_many",
@@ -147,6 +165,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "prefetch after the compute": (FORWARD, forward_prefetch_after_compute, "no_overlap", "nothing overlaps"),
     "prefetch two ahead": (FORWARD, forward_prefetch_two_ahead, "too_many", "3 units held their full weights"),
     "forward under no_grad": (FORWARD, forward_prefetch_under_no_grad, "no_graph", "no autograd graph"),
+    "frees a unit one iteration late": (FORWARD, forward_prefetch_frees_a_unit_late, "too_many",
+                                        "3 units held their full weights"),
     "prefetches every remaining unit": (NEXT, prefetch_next_all_remaining, "too_many",
                                         "4 units held their full weights at once; at most 2"),
     "waits for the prefetch at once (stage 3)": (NEXT, prefetch_next_waits, "waited_at_once",
@@ -154,6 +174,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "runs past the last unit": (NEXT, prefetch_next_past_the_end, "past_the_end", "the last unit in the order has no next one"),
     "prefetches the current unit": (NEXT, prefetch_next_current, "started_none", "started no gather"),
     "prefetches the unit that already ran": (NEXT, prefetch_next_previous, "prefetched_done", "already run"),
+    "wraps around past the last unit": (NEXT, prefetch_next_wraps_around, "prefetched_done", "already run"),
     "prefetches two ahead (stage 3)": (NEXT, prefetch_next_two_ahead, "too_many", "units held their full weights at once"),
 }
 ON_THREE: dict = {}

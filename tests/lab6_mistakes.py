@@ -20,6 +20,10 @@ def a_checkpoints_instead():  # lowers both peaks; stage 3 stays above ZeRO-2
     return "unit_gathered_whole", {"checkpointing": True}
 
 
+def a_keeps_the_weights_gathered():  # the one unit is still gathered whole, and now kept for backward
+    return "unit_gathered_whole", {"reshard_after_forward": False}
+
+
 def a_changes_nothing():
     return "unit_gathered_whole", {"units": "whole"}
 
@@ -58,8 +62,8 @@ def c_blames_activations():
     return "activations", {"checkpointing": True}
 
 
-def c_larger_units():  # correct: a unit per block, a third of the collectives (still 3Ψ: the verdict says so)
-    return "too_many_collectives", {"units": "blocks"}
+def c_one_unit():  # correct: the model fits, so one unit of it, gathered once (the solution takes blocks)
+    return "too_many_collectives", {"units": "whole"}
 
 
 def c_turns_prefetch_off():
@@ -70,12 +74,16 @@ def c_returns_the_cause_only():
     return "too_many_collectives"
 
 
-def c_plain_ddp():  # correct: the model fits
+def c_ddp_on_the_same_units():  # the model fits, but DDP on 18 units is 18 small all-reduces
     return "too_many_collectives", {"stage": 0}
 
 
-def c_zero1():  # correct: weights kept whole, 2Ψ
-    return "too_many_collectives", {"stage": 1}
+def c_zero2_on_the_same_units():  # 2Ψ like DDP by the ring formula, still 18 units and 36 collectives
+    return "too_many_collectives", {"stage": 2}
+
+
+def c_keeps_weights_gathered():  # skips the backward gathers, still 18 units
+    return "too_many_collectives", {"reshard_after_forward": False}
 
 
 # -- case d: no_sync keeps a whole gradient -----------------------------------------------------
@@ -105,6 +113,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "a: blames collectives": (A, a_blames_collectives, "wrong_cause", "a single unit"),
     "a: drops to ZeRO-2": (A, a_drops_to_zero2, "symptom_remains", "gives up sharding the weights"),
     "a: checkpoints instead": (A, a_checkpoints_instead, "symptom_remains", "still not below ZeRO-2's"),
+    "a: keeps the weights gathered": (A, a_keeps_the_weights_gathered, "symptom_remains", "still not below ZeRO-2's"),
     "a: changes nothing": (A, a_changes_nothing, "no_change", "the run already has units='whole'"),
     "a: invents a cause": (A, a_invents_a_cause, "unknown_cause", "is not one of the course's causes"),
     "b: blames the unit": (B, b_blames_the_unit, "wrong_cause", "the units are blocks here"),
@@ -113,7 +122,10 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "b: changes two settings": (B, b_changes_two_settings, "not_one_setting", "change exactly one setting"),
     "c: blames the unit": (C, c_blames_the_unit, "wrong_cause", "18 units"),
     "c: blames activations": (C, c_blames_activations, "wrong_cause", "this is a time symptom"),
-    "c: turns prefetch off": (C, c_turns_prefetch_off, "symptom_remains", "gathers are still there"),
+    "c: turns prefetch off": (C, c_turns_prefetch_off, "small_units_remain", "Still 18 units"),
+    "c: DDP on the same units": (C, c_ddp_on_the_same_units, "small_units_remain", "Still 18 units"),
+    "c: ZeRO-2 on the same units": (C, c_zero2_on_the_same_units, "small_units_remain", "Still 18 units"),
+    "c: keeps the weights gathered": (C, c_keeps_weights_gathered, "small_units_remain", "Still 18 units"),
     "c: returns the cause only": (C, c_returns_the_cause_only, "not_a_diagnosis", "return two things"),
     "d: blames activations": (D, d_blames_activations, "wrong_cause", "activations are freed"),
     "d: blames collectives": (D, d_blames_collectives, "wrong_cause", "fewer reduce-scatters than usual"),
@@ -124,7 +136,5 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
 ON_THREE: dict = {}
 CORRECT = {
     "b: a smaller micro-batch": (B, b_smaller_micro_batch),
-    "c: a unit per block": (C, c_larger_units),
-    "c: plain DDP": (C, c_plain_ddp),
-    "c: ZeRO-1": (C, c_zero1),
+    "c: one unit for the model": (C, c_one_unit),
 }

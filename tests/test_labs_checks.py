@@ -109,6 +109,8 @@ def test_lab4_solution_follows_the_whole_cycle_and_rests_on_shards():
     message = results_of("lab4")["solution lab4.prepare_backward", 4].message
     assert "gather -> forward -> free -> gather -> backward -> reduce_scatter -> free" in message, message
     assert "match ShardLab stage 3" in message and "full weights freed" in message, message
+    fsdp2 = results_of("lab4")["free before reduce-scatter (FSDP2's order)", 4].message
+    assert "backward -> free -> reduce_scatter (free before reduce_scatter: FSDP2's order)" in fsdp2, fsdp2
 
 
 def test_lab5_solution_overlaps_gathers_with_compute():
@@ -121,5 +123,8 @@ def test_lab6_solution_reruns_the_fix_and_reports_the_symptom_gone():
         a = results_of("lab6")["solution lab6.case_a", ws].message
         mine, zero2 = (int(x.replace(",", "")) for x in re.search(r"peaks at ([\d,]+) B, below ZeRO-2's ([\d,]+) B", a).groups())
         assert f"rerun on {ws} ranks" in a and mine < zero2, a
+        c = results_of("lab6")["solution lab6.case_c", ws].message
+        units, before, ddp = (int(re.search(rf"{w} (\d+) units", c).group(1)) for w in ("ranks:", "down from", "runs it:"))
+        assert units <= ddp < before, c
         d = results_of("lab6")["solution lab6.case_d", ws].message
         assert f"= 4Ψ/{ws}" in d, d

@@ -105,6 +105,13 @@ def check_pad_and_split(fn) -> str:
             raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}: you padded to a multiple "
                        f"of 4, not of world_size = {n}", "the padding depends on the world_size argument, "
                        "never a fixed 4", mistake="hard_coded_world_size")
+        if len(shards) != n and sum(sizes) == want.numel():  # padded right, cut into the wrong count
+            by_size = max(sizes) == n
+            raise Hint(f"{numel} elements on {n} ranks: you padded to {sum(sizes)}, a multiple of {n}, but got "
+                       f"{len(shards)} shards of sizes {sizes}, not {n} shards of {want.shape[1]}"
+                       + (": split(k) and view(-1, k) take a chunk size k, not a shard count" if by_size else ""),
+                       "chunk(world_size) takes the count of shards; split takes the size of each, "
+                       "padded length // world_size", mistake="size_not_count" if by_size else "shard_count")
         if len(shards) != n or len(set(sizes)) > 1:
             if numel % n:
                 raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}, not {n} "

@@ -151,6 +151,20 @@ DRIFT = ("your ranks' weights drift apart: after optimizer.step(), each rank's u
 GATHER = "after the step, only this rank's shard of flat is new: which collective brings the others?"
 
 
+class _Gathers(Collectives):
+    """Also notes the storage each all-gather fills, to tell a gather into ``flat`` that came before the
+    step (it fills flat with the old shards) from one into a tensor of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.filled: set[int] = set()
+
+    def check(self, kind: str, full, part) -> None:
+        super().check(kind, full, part)
+        if kind == "all_gather" and torch.is_tensor(full):
+            self.filled.add(full.untyped_storage().data_ptr())
+
+
 @task("lab2.zero1_step", fn_name="zero1_step")
 def check_zero1_step(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -165,8 +179,9 @@ def check_zero1_step(fn) -> str:
     problem = None
     for step in range(1, STEPS + 1):
         before, master_before = flat.clone(), master.detach().clone()
+        grad_before = None if master.grad is None else master.grad.detach().clone()
         mean = torch.stack([_grad(ref.detach(), r) for r in range(n)]).mean(0)
-        with Collectives() as seen:
+        with _Gathers() as seen:
             fn(flat, _grad(flat, rank), master, optimizer, n)
         per_step.append(seen)
         ref.grad = mean
@@ -174,8 +189,8 @@ def check_zero1_step(fn) -> str:
         everyone = torch.empty(n * flat.numel())  # the check's own collective: every rank's flat
         comm.all_gather(everyone, flat.detach().clone())
         if problem is None:
-            problem = _diagnose(flat, before, master, master_before, ref.detach(), everyone.view(n, -1),
-                                mean, rank, n, step, seen.kinds())
+            problem = _diagnose(flat, before, master, master_before, grad_before, ref.detach(),
+                                everyone.view(n, -1), mean, rank, n, step, seen)
     if problem is not None:
         raise problem
     want = ["reduce_scatter", "all_gather"]
@@ -194,7 +209,8 @@ def check_zero1_step(fn) -> str:
             f"reduce-scatter and one all-gather a step ({per_step[0].ring_bytes():,} B per rank by the ring formula)")
 
 
-def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n, step, kinds) -> Hint | None:
+def _diagnose(flat, before, master, master_before, grad_before, ref, everyone, mean, rank, n, step,
+              seen: _Gathers) -> Hint | None:
     """The first thing wrong after ``step``, as a Hint; None when it matches stage 0."""
     s = flat.numel() // n
     own = slice(rank * s, (rank + 1) * s)
@@ -217,6 +233,13 @@ def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n,
         return Hint(DRIFT, GATHER, mistake="drift")
     if torch.allclose(flat, ref, atol=1e-5):
         return None
+    kinds = seen.kinds()
+    into_flat = flat.untyped_storage().data_ptr() in seen.filled
+    if torch.equal(flat, before) and "all_gather" in kinds and into_flat and moved.any():
+        return Hint("you all-gathered before optimizer.step(): your master moved, but flat got the shards as "
+                    "they were before the step, so the full weights did not change. The all-gather goes last",
+                    "the all-gather copies what master holds at the moment it runs: step first",
+                    mistake="gathered_before_step")
     if torch.equal(flat, before) and "all_gather" in kinds:
         return Hint("you all-gathered, but not into the flat you were given: the full weights did not change. "
                     "A new tensor (flat = ..., or torch.empty for the output) rebinds a local name only; the "
@@ -226,6 +249,12 @@ def _diagnose(flat, before, master, master_before, ref, everyone, mean, rank, n,
     if torch.equal(flat, before):
         return Hint("the full weights did not change: after optimizer.step(), all-gather every "
                     "rank's updated shard into flat", GATHER, mistake="no_all_gather")
+    if (grad_before is not None and master.grad is not None
+            and torch.allclose(master.grad.detach(), grad_before + mean[own], atol=1e-5)):
+        return Hint(f"after step {step}, master.grad is the last step's gradient plus this one's: you added to "
+                    "master.grad, and nothing cleared it after the step, so each step steps with the sum so far",
+                    "set master.grad = shard (not +=), or call optimizer.zero_grad() after optimizer.step()",
+                    mistake="grad_not_cleared")
     return Hint(f"after step {step}, this rank's shard differs from stage 0 by up to "
                 f"{(flat[own] - ref[own]).abs().max().item():.2g}: reduce-scatter grad, divide by "
                 "world_size, set master.grad, optimizer.step(), all-gather", mistake="wrong_values")

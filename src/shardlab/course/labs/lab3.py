@@ -181,7 +181,8 @@ def check_when_ready(fn) -> str:
                            "parameter and count down", COUNT, mistake="hooked_one_param")
             if early and early[0] == n - 1 and len(counts) == 1:
                 raise Hint(f"on_ready ran for {u.name} in {which} just before its last gradient was stored in "
-                           "p.grad: p.register_hook runs when a gradient is computed, before it is accumulated. "
+                           "p.grad: a tensor hook (p.register_hook, and register_multi_grad_hook, which is built "
+                           "on them) runs when a gradient is computed, before it is accumulated. "
                            "Use p.register_post_accumulate_grad_hook", "which hook runs after p.grad is updated?",
                            mistake="tensor_hook")
             if early and (b == 0 or len(counts) == 1):

@@ -81,6 +81,8 @@ def check_forward(fn) -> str:
                    mistake="wrong_values")
     for u in units:
         seen = trace.of(u.name, ("gather", "forward", "free"))
+        # a gather of a unit that holds its full weights is a no-op (FlatUnit.gather): not a mistake
+        seen = [w for i, w in enumerate(seen) if not (w == "gather" and seen[i - 1:i] == ["gather"])]
         if seen != CYCLE_FORWARD:
             raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE_FORWARD)}", mistake="cycle")
     rest = _at_rest(units)
@@ -163,15 +165,19 @@ def check_prepare_backward(fn) -> str:
                           "want": [r.master.grad.clone() for r in api.engine_of(reference).units]})
     finally:
         trace.close()
+    orders = set()
     for k, step in enumerate(steps, 1):
-        _judge_step(units, step, k)
+        orders |= _judge_step(units, step, k)
     most = max(s["most"] for s in steps)
-    return (f"every unit went {' -> '.join(CYCLE)} in each of {STEPS} steps; at most {most} unit"
+    went = " or ".join(" -> ".join(o) for o in (CYCLE, FREE_FIRST) if tuple(o) in orders)
+    fsdp2 = " (free before reduce_scatter: FSDP2's order)" if tuple(FREE_FIRST) in orders else ""
+    return (f"every unit went {went}{fsdp2} in each of {STEPS} steps; at most {most} unit"
             f"{'s' if most != 1 else ''} held full weights at once; gradient shards match ShardLab stage 3; "
             f"{_at_rest(units)}")
 
 
-def _judge_step(units, step: dict, k: int) -> None:
+def _judge_step(units, step: dict, k: int) -> set[tuple[str, ...]]:
+    """Raises the step's first mistake; returns the orders the units went in (CYCLE or FREE_FIRST)."""
     for name in step["gathered"]:
         raise Hint(f"after backward, {name} still holds its full weights: free it once its gradients "
                    "are reduce-scattered", AFTER_BACKWARD, mistake="not_freed_after_backward")
@@ -180,8 +186,7 @@ def _judge_step(units, step: dict, k: int) -> None:
             raise Hint(f"{u.name} has no gradient shard after backward: call lab4.reduce_grads(unit) once all "
                        "its gradients are in (lab4.on_grads_ready)", AFTER_BACKWARD, mistake="no_reduce")
     for u in units:
-        seen = [w for w, name in step["log"] if name == u.name and w in ("gather", "free", "forward",
-                                                                         "backward", "reduce_scatter")]
+        seen = _order(step, u.name)
         reductions = seen.count("reduce_scatter")
         if k > 1 and reductions > 1:
             raise Hint(f"in step {k}, {u.name}'s gradients were reduce-scattered {reductions} times: the hooks "
@@ -203,3 +208,10 @@ def _judge_step(units, step: dict, k: int) -> None:
         if not lab_model.close(grad, want):
             raise Hint(f"in step {k}, {u.name}'s gradient shard differs from ShardLab stage 3's: reduce once, "
                        "after the unit's last gradient", mistake="wrong_values")
+    return {tuple(_order(step, u.name)) for u in units}
+
+
+def _order(step: dict, unit_name: str) -> list[str]:
+    """What happened to one unit in a step, in order: its gathers, frees, passes and reduce-scatters."""
+    return [w for w, name in step["log"] if name == unit_name and w in ("gather", "free", "forward", "backward",
+                                                                        "reduce_scatter")]

@@ -47,7 +47,8 @@ def _not_in_flight(unit, trace) -> None:
 def _too_many(most: int) -> Hint:
     return Hint(f"{most} units held their full weights at once; at most {MOST} may: the one running and the "
                 "next. Prefetch only the next unit, and free each unit as soon as it is done",
-                "how far ahead do you start gathers? One unit is enough to hide the wait", mistake="too_many")
+                "count what holds full weights at each moment: start gathers one unit ahead, not more, and free "
+                "each unit right after its own forward, not a step later", mistake="too_many")
 
 
 @task("lab5.forward_prefetch", fn_name="forward_prefetch")
@@ -153,7 +154,8 @@ def check_prefetch_next(fn) -> str:
     if len(gathers) > 2 * n * steps:
         raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
                    "forward, once for backward): you prefetched units that had already run",
-                   "which way does `order` run? The next unit is after `unit`, not before", mistake="prefetched_done")
+                   "the next unit is the one right after `unit` in `order`, if there is one: not one before it, "
+                   "and not order[0] again after the last", mistake="prefetched_done")
     if most[0] > MOST:
         raise _too_many(most[0])
     if calls["issued"] == 0:
