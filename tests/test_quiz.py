@@ -138,16 +138,19 @@ def test_text_fallback_prints_and_answer_returns_the_verdict(monkeypatch, capsys
     assert not quiz.use_widgets()
     quiz.show("01")
     out = capsys.readouterr().out
-    for q in quiz_bank.questions("01"):
-        assert q.question in out and f"quiz.answer({q.id!r}" in out
+    for n, q in enumerate(quiz_bank.questions("01"), 1):
+        assert q.question in out and f"quiz.answer('01 Q{n}'" in out   # the shown handle, not the id
         for choice in q.choices.values():
             assert choice in out
-    q = next(q for q in quiz_bank.questions("01") if q.kind == "single")
+    n, q = next((n, q) for n, q in enumerate(quiz_bank.questions("01"), 1) if q.kind == "single")
     wrong = sorted(set(q.choices) - {q.answer})[0]
-    assert quiz.answer(q.id, q.answer) is True
+    assert quiz.answer(f"01 Q{n}", q.answer) is True
     assert "✓" in capsys.readouterr().out
-    assert quiz.answer(q.id, wrong.upper()) is False  # keys are read case-insensitively
+    assert quiz.answer(f"01 q{n}", wrong.upper()) is False  # keys and handles are read case-insensitively
     assert q.feedback[wrong] in capsys.readouterr().out
+    assert quiz.answer(q.id, q.answer) is True   # an id still answers (old notebooks, the tests)
+    with pytest.raises(KeyError, match="questions 1 to"):
+        quiz.answer("01 Q99", "a")
 
 
 def test_bad_answers_get_a_clear_error():

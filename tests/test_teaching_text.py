@@ -21,7 +21,7 @@ from shardlab.course import quiz_bank
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PREDICTING = ["00", "01", "02", "03", "04", "05", "07", "08", "09"]
-ANSWER_CALL = re.compile(r"""quiz\.answer\(\s*["']([\w.]+)["']\s*,\s*(\[[^\]]*\]|["'][^"']*["']|[-\d.e]+)""")
+ANSWER_CALL = re.compile(r"""quiz\.answer\(\s*["']([\w.]+(?:\s+Q\d+)?)["']\s*,\s*(\[[^\]]*\]|["'][^"']*["']|[-\d.e]+)""")
 
 
 def cells(path: Path, kind: str | None = None) -> list[str]:
@@ -50,10 +50,10 @@ def test_no_authors_words_in_markdown(path):
 
 def right_answer(call_id: str, given: str):
     """Whether ``quiz.answer(call_id, given)`` as written in a cell would be marked right."""
-    every = quiz_bank.all_questions()
-    if call_id not in every:
+    try:
+        q = quiz_bank.get(call_id)   # an id, or the handle a learner sees ("05 Q3")
+    except (KeyError, ValueError):
         return False
-    q = every[call_id]
     if q.kind == "numeric":
         try:
             return abs(float(given) - q.answer) <= q.tolerance
@@ -88,6 +88,9 @@ def test_the_check_has_teeth(tmp_path):
     with pytest.raises(AssertionError, match="tells"):
         test_no_notebook_tells_a_quiz_answer(told)
     assert right_answer(q.id, f'"{q.answer}"') and not right_answer(q.id, '"zz"')
+    n = [p.id for p in quiz_bank.questions("04")].index(q.id) + 1   # the handle a learner sees
+    assert ANSWER_CALL.findall(f'quiz.answer("04 Q{n}", "{q.answer}")') == [(f"04 Q{n}", f'"{q.answer}"')]
+    assert right_answer(f"04 Q{n}", f'"{q.answer}"')
 
 
 @pytest.mark.parametrize("number", PREDICTING)

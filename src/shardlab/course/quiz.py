@@ -4,7 +4,7 @@ In a notebook::
 
     from shardlab.course import quiz
     quiz.show("03")                        # one widget per question: choices, Check, feedback
-    quiz.answer("03.comm_2psi", "d")       # the text fallback: prints feedback, returns True/False
+    quiz.answer("03 Q2", "d")              # the text fallback: prints feedback, returns True/False
     quiz.final()                           # the final quiz, with a running score
     quiz.learner("alice")                  # numeric questions get alice's own numbers from now on
 
@@ -35,25 +35,32 @@ def learner(name: str | None) -> None:
 
 
 def answer(question_id: str, choice) -> bool:
-    """The text fallback: print the feedback for ``choice`` and return whether it is right."""
+    """The text fallback: print the feedback for ``choice`` and return whether it is right.
+
+    ``question_id`` is the name printed above the question ("03 Q2"); a question's id works too."""
     q = bank.for_learner(bank.get(question_id))
-    fb = bank.check(question_id, choice)
+    fb = bank.check(q.id, choice)
     bank.record(q, fb)
     print(("✓ " if fb.correct else "✗ ") + fb.text)
-    if bank.in_final(question_id):
+    if bank.in_final(q.id):
         print("Score: {} / {}".format(*bank.score()))
     return fb.correct
 
 
-def text(q: bank.Question) -> str:
-    """A question as plain text, with its choices and how to answer it."""
+def text(q: bank.Question, shown_as: str, n: int, total: int) -> str:
+    """A question as plain text, with its choices and how to answer it by ``shown_as`` ("05 Q3").
+    Its id is never shown: an id can name the answer."""
     who = bank.learner() if q.vary else None
-    lines = [f"[{q.id}{f', numbers for {who}' if who else ''}] {q.question}"]
+    lines = [f"Question {n} of {total}{f', numbers for {who}' if who else ''}: {q.question}"]
     lines += [f"   {k}) {v}" for k, v in q.choices.items()]
     how = {"single": '"x"), x: your letter', "multiple": '["x", "y"]), every letter you pick',
            "numeric": f"n), n: your number in {q.unit}"}[q.kind]
-    lines.append(f"   answer with: quiz.answer({q.id!r}, {how}")
+    lines.append(f"   answer with: quiz.answer({shown_as!r}, {how}")
     return "\n".join(lines)
+
+
+def _texts(name: str, qs) -> str:
+    return "\n\n".join(text(q, bank.handle(name, n), n, len(qs)) for n, q in enumerate(qs, 1))
 
 
 def use_widgets() -> bool:
@@ -83,7 +90,7 @@ def show(name: str, widgets: bool | None = None):
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record)
-    print("\n\n".join(text(q) for q in qs))
+    print(_texts(name, qs))
 
 
 def final(widgets: bool | None = None):
@@ -93,5 +100,5 @@ def final(widgets: bool | None = None):
     if widgets if widgets is not None else use_widgets():
         from shardlab.course.quiz_widgets import display_questions
         return display_questions(qs, on_check=bank.record, scored=True, score=bank.score)
-    print("\n\n".join(text(q) for q in qs))
+    print(_texts("final", qs))
     print(f"\nEach quiz.answer(...) prints your running score, out of {len(qs)}.")

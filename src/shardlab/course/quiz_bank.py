@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -172,10 +173,27 @@ def questions(bank: str) -> list[Question]:
     return [every[i] for i in draw] + list(own)
 
 
+def handle(bank: str, n: int) -> str:
+    """How question ``n`` (1-based) of ``bank`` is shown and answered: "05 Q3", never by its id,
+    since an id such as ``05.deepspeed_stage2`` names the answer."""
+    return f"{_bank_name(bank).split('_')[0]} Q{n}"
+
+
+_HANDLE = re.compile(r"\s*(\w+)\s+Q(\d+)\s*", re.IGNORECASE)
+
+
 def get(question_id: str) -> Question:
+    """A question by its id, or by the handle a learner sees (:func:`handle`, e.g. "05 Q3")."""
+    shown_as = _HANDLE.fullmatch(question_id)
+    if shown_as:
+        qs, n = questions(shown_as[1]), int(shown_as[2])
+        if not 1 <= n <= len(qs):
+            raise KeyError(f"no question {question_id!r}: quiz {shown_as[1]!r} has questions 1 to {len(qs)}")
+        return qs[n - 1]
     every = all_questions()
     if question_id not in every:
-        raise KeyError(f"no question {question_id!r}; ids look like '03.zero1_shards' (quiz.show('03') lists them)")
+        raise KeyError(f"no question {question_id!r}; answer by the name shown above each question, "
+                       f"e.g. quiz.answer('03 Q2', 'b') (quiz.show('03') lists them)")
     return every[question_id]
 
 
@@ -206,11 +224,12 @@ def for_learner(q: Question, name: str | None = None) -> Question:
 def check(question_id: str, choice, learner_name: str | None = None) -> Feedback:
     """Is ``choice`` right? Returns the feedback without printing (``answer`` prints it)."""
     q = for_learner(get(question_id), learner_name)
+    shown_as = question_id if _HANDLE.fullmatch(question_id) else "the question"
     if q.kind == "numeric":
         try:
             value = float(str(choice).replace(q.unit, "").strip()) if isinstance(choice, str) else float(choice)
         except (TypeError, ValueError):
-            raise ValueError(f"{q.id} wants a number in {q.unit}, e.g. quiz.answer({q.id!r}, 14); got {choice!r}") from None
+            raise ValueError(f"{shown_as} wants a number in {q.unit}, e.g. 14; got {choice!r}") from None
         right = abs(value - q.answer) <= q.tolerance * (1 + 1e-9) + 1e-12  # "at the edge" counts, floats aside
         side = "" if right else q.feedback.get("low" if value < q.answer else "high", "")
         detail = " ".join(filter(None, [side, q.explanation]))
@@ -219,7 +238,7 @@ def check(question_id: str, choice, learner_name: str | None = None) -> Feedback
     unknown = [k for k in picked if k not in q.choices]
     if unknown or not picked or (q.kind == "single" and len(picked) != 1):
         how = "one key" if q.kind == "single" else "a list of keys, e.g. ['a', 'c']"
-        raise ValueError(f"{q.id} wants {how} among {sorted(q.choices)}; got {choice!r}")
+        raise ValueError(f"{shown_as} wants {how} among {sorted(q.choices)}; got {choice!r}")
     right = set(picked) == q.right_keys()
     if right:
         return Feedback(True, f"Right. {q.explanation}")
@@ -248,8 +267,8 @@ def start_final() -> list[Question]:
 
 
 def in_final(question_id: str) -> bool:
-    """Whether ``question_id`` counts towards the final quiz's score."""
-    return question_id in _final_ids
+    """Whether ``question_id`` (an id or a shown handle) counts towards the final quiz's score."""
+    return get(question_id).id in _final_ids
 
 
 def score() -> tuple[int, int]:

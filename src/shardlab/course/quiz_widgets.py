@@ -30,8 +30,9 @@ def _picker(q):
     return W.HBox([box, W.Label(q.unit)]), lambda: box.value.strip()
 
 
-def question_widget(q, on_check, after=None) -> W.VBox:
-    """One question: its text, the choices, Check, and the feedback (right or wrong, and why)."""
+def question_widget(q, on_check, after=None, label: str = "") -> W.VBox:
+    """One question: its text, the choices, Check, and the feedback (right or wrong, and why).
+    ``label`` ("Question 3 of 8") stands where an id would: an id can name the answer."""
     picker, chosen = _picker(q)
     button = W.Button(description="Check", button_style="primary")
     feedback = W.HTML(value="")
@@ -55,7 +56,7 @@ def question_widget(q, on_check, after=None) -> W.VBox:
             after()
 
     button.on_click(on_click)
-    title = W.HTML(f"<b>{html.escape(q.question)}</b> <small style='color:#777'>({q.id})</small>")
+    title = W.HTML(f"<small style='color:#777'>{html.escape(label)}</small><br><b>{html.escape(q.question)}</b>")
     return W.VBox([title, picker, button, feedback], layout=W.Layout(margin="0 0 1em 0"))
 
 
@@ -67,7 +68,8 @@ def build(questions, on_check, scored: bool = False, score=None) -> W.VBox:
         right, total = score()
         tally.value = f"<b>Score: {right} / {total}</b>"
 
-    items = [question_widget(q, on_check, update if scored else None) for q in questions]
+    items = [question_widget(q, on_check, update if scored else None, f"Question {n} of {len(questions)}")
+             for n, q in enumerate(questions, 1)]
     if scored:
         update()
         items.append(tally)

@@ -63,7 +63,7 @@ ROWS = [
      "torch": ["torch.distributed.optim.ZeroRedundancyOptimizer"]},
     {"shardlab": "stage=2 (+ gradients sharded)",
      "deepspeed": ('"zero_optimization": {"stage": 2}', DS),
-     "fsdp2": None,
+     "fsdp2": ("closest: fully_shard(block, reshard_after_forward=False) (also shards weights between steps)", FSDP2),
      "fsdp1": ("closest: ShardingStrategy.SHARD_GRAD_OP (also shards weights between steps)", FSDP1),
      "accelerate": ("DeepSpeedPlugin(zero_stage=2), or fsdp_sharding_strategy: SHARD_GRAD_OP", ACC_DS),
      "lightning": ('strategy="deepspeed_stage_2"', L_DS),
@@ -85,7 +85,8 @@ ROWS = [
                "torch.distributed.fsdp.ShardingStrategy.FULL_SHARD"]},
     {"shardlab": "prefetch=True (ShardLab's argument, not an FSDP one)",
      "deepspeed": ('"stage3_prefetch_bucket_size"', DS),
-     "fsdp2": ("no argument: implicit on GPU through CUDA streams, none on CPU; explicit: "
+     "fsdp2": ("no argument. Backward: one module ahead, in reverse post-forward order, unless set. "
+               "Forward: implicit on GPU through CUDA streams, none on CPU. Explicit: "
                "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch", FSDP2),
      "fsdp1": ("backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True", FSDP1),
      "accelerate": ("fsdp_backward_prefetch: BACKWARD_PRE", ACC_FSDP),
