@@ -60,3 +60,12 @@ def test_formula_and_published_are_printed_as_what_they_are(capsys):
         predict.compare(1, published=44, what="TFLOPS")
     with pytest.raises(TypeError, match="formula= got a measured value"):
         predict.compare(1, formula=m(2), what="x")
+
+
+def test_a_true_or_false_prediction_is_echoed_as_true_or_false(capsys):
+    """A bool is an int in Python: the echo must not turn the learner's True into 1."""
+    assert predict.compare(True, formula=True, what="closer") is True
+    out = capsys.readouterr().out
+    assert "you predicted True, the formula gives True" in out and " 1" not in out
+    assert predict.compare(False, formula=True, what="closer") is False
+    assert "you predicted False, the formula gives True" in capsys.readouterr().out

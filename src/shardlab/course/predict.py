@@ -47,6 +47,8 @@ def _close(guess, measured, rel_tol: float) -> bool:
 
 
 def _show(value, unit: str) -> str:
+    if isinstance(value, bool):   # a bool is an int: without this, True would print as 1
+        return str(value)
     if isinstance(value, float):
         value = f"{value:,.4g}"
     elif isinstance(value, int):
