@@ -96,3 +96,52 @@ def test_every_notebook_has_instructor_notes():
     for note in notes.glob("*.md"):
         if note.name != "README.md":
             assert f"({note.name})" in index, f"notes/README.md does not link {note.name}"
+
+
+WORD = re.compile(r"\w+(?:['’-]\w+)*")
+COUNTS = re.compile(r"^\| (\d\d_\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+)[^|]* \| *\| (\d+) min \|", re.M)
+
+
+def prose_words(markdown: str) -> int:
+    """AGENDA.md's method: fenced and 4-space-indented code, inline code and link targets out,
+    then word tokens (letters and digits, with inner hyphens and apostrophes)."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("    "))
+    text = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", text))
+    return len(WORD.findall(text))
+
+
+def counted(stem: str) -> tuple[int, int, int, int]:
+    """(words, code cells, predictions, quiz questions) of one notebook, counted afresh."""
+    nb = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text(encoding="utf-8"))
+    words = sum(prose_words("".join(c["source"])) for c in nb["cells"] if c["cell_type"] == "markdown")
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    predictions = sum(bool(re.search(r"^predicted_\w+\s*=\s*None", c, re.M)) for c in code)
+    banks = [stem] + (["final"] if stem.startswith("07") else [])  # 07 shows the final quiz too
+    quiz = sum(len(json.loads(p.read_text())["questions"])
+               for p in (ROOT / "src/shardlab/course/quizzes" / f"{b}.json" for b in banks) if p.exists())
+    return words, len(code), predictions, quiz
+
+
+def test_every_notebook_has_a_counts_row_and_its_slot_follows_the_rule():
+    """The counts behind each slot are the notebook's own today (words within 5%, the rest
+    exact), and the slot is the rule's: words at 180 a minute, half a minute a code cell, a
+    minute and a half a prediction, a minute a quiz question, rounded up to 5 minutes."""
+    rows = {m[0]: tuple(int(x) for x in m[1:]) for m in COUNTS.findall(AGENDA)}
+    assert sorted(rows) == sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb")), sorted(rows)
+    for stem, (words, code, predictions, quiz, slot) in rows.items():
+        real = counted(stem)
+        assert abs(words - real[0]) <= 0.05 * real[0], f"{stem}: AGENDA says {words} words, the notebook has {real[0]}"
+        assert (code, predictions, quiz) == real[1:], f"{stem}: AGENDA says {(code, predictions, quiz)}, counted {real[1:]}"
+        minutes = real[0] / 180 + 0.5 * real[1] + 1.5 * real[2] + real[3]
+        assert slot == 5 * math.ceil(minutes / 5), f"{stem}: slot {slot} min, the rule gives {minutes:.1f} min"
+
+
+def test_each_plan_gives_a_notebook_the_slot_its_counts_give():
+    slots = {m[0]: int(m[5]) for m in COUNTS.findall(AGENDA)}
+    for title, rows in plans().items():
+        for r in rows:
+            path = path_of(r["part"])
+            if path and path.startswith("notebooks/"):
+                stem = Path(path).stem
+                assert r["slot"] == slots[stem], f"{title}: {stem} has {r['slot']} min, its counts give {slots[stem]}"
