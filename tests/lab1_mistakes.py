@@ -46,6 +46,10 @@ def split_by_size_not_count(flat, world_size):  # split(k) takes a chunk size, n
     return list(_pad(flat, world_size).split(world_size))
 
 
+def split_padded_never_split(flat, world_size):  # returns the padded 1-D tensor itself
+    return _pad(flat, world_size)
+
+
 def split_padded_to_four(flat, world_size):
     return list(_pad(flat, 4).chunk(world_size))
 
@@ -229,6 +233,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padding from torch.empty": (PAD, split_padding_from_empty, "padding_not_zeros", "must be zeros"),
     "a row of padding when it divides": (PAD, split_always_pads_a_row, "too_much_padding", "not when it already divides"),
     "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
+    "padded, never split": (PAD, split_padded_never_split, "not_a_list", "split it into"),
     "split by size, not count": (PAD, split_by_size_not_count, "size_not_count", "take a chunk size k, not a shard count"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),

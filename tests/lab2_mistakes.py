@@ -129,6 +129,12 @@ def step_adds_to_master_grad(flat, grad, master, optimizer, world_size):  # += a
     comm.all_gather(flat, master.detach())
 
 
+def step_gathers_the_gradient(flat, grad, master, optimizer, world_size):  # master.grad, not master
+    master.grad = _mean_shard(grad, master, world_size)
+    optimizer.step()
+    comm.all_gather(flat, master.grad)
+
+
 def step_all_reduce_and_slice(flat, grad, master, optimizer, world_size):  # right weights, 2x traffic
     total = grad.clone()
     all_reduce(total)
@@ -174,6 +180,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "step divided twice": (STEP, step_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "step with its own gradient": (STEP, step_with_its_own_gradient, "no_reduce", "not the mean over ranks"),
     "zero_grad before step": (STEP, step_zero_grad_before_step, "no_grad_at_step", "master.grad was None or zero"),
+    "step gathers the gradient": (STEP, step_gathers_the_gradient, "gathered_grad", "flat holds gradients, not weights"),
     "step all-reduces and slices": (STEP, step_all_reduce_and_slice, "all_reduce_instead", "all-reduced"),
 }
 ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3

@@ -120,6 +120,19 @@ def when_ready_not_rearmed(params, on_ready):
         p.register_post_accumulate_grad_hook(hook)
 
 
+def when_ready_counts_down_one_short(params, on_ready):
+    left = [len(params) - 1]  # "the countdown ends at 0", so it starts one below the count
+
+    def hook(p):
+        left[0] -= 1
+        if left[0] == 0:
+            left[0] = len(params) - 1
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def when_ready_counts_up_never_reset(params, on_ready):
     done = [0]
 
@@ -183,6 +196,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
                                        "is not the last to arrive"),
     "double reduction on a second backward": (READY, when_ready_set_never_cleared, "fires_again",
                                               "in the second backward: each call reduces again (double reduction)"),
+    "countdown one short": (READY, when_ready_counts_down_one_short, "count_off_by_one",
+                            "though you hooked all 6 parameters: your count is off by one"),
     "countdown not re-armed": (READY, when_ready_not_rearmed, "not_rearmed", "never ran for blocks.0 in the second backward"),
     "counts up, never reset": (READY, when_ready_counts_up_never_reset, "not_rearmed", "did not start again"),
     "tensor hook instead of post-accumulate": (READY, when_ready_tensor_hook, "tensor_hook", "register_post_accumulate_grad_hook"),

@@ -39,6 +39,20 @@ def forward_returns_detached(unit, x):  # detached so the freed weights are "not
     return out
 
 
+def forward_calls_the_forward_method(unit, x):  # right output, but module hooks do not run
+    unit.gather()
+    out = unit.module.forward(x)
+    unit.free()
+    return out
+
+
+def forward_gathers_async_never_waits(unit, x):  # computes while the weights may still be arriving
+    unit.gather(async_op=True)
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
 def forward_gathers_async_and_waits(unit, x):  # correct: start, then wait, then run
     unit.gather(async_op=True)
     unit.gather()
@@ -112,6 +126,10 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "frees before the forward ran": (FORWARD, forward_frees_before_running, "freed_before_forward",
                                      "blocks.0's forward ran after you freed it"),
     "never gathers": (FORWARD, forward_never_gathers, "never_gathered", "blocks.0's forward ran on freed weights"),
+    "calls module.forward": (FORWARD, forward_calls_the_forward_method, "forward_not_called",
+                             "skips a module's hooks"),
+    "async gather never waited for": (FORWARD, forward_gathers_async_never_waits, "used_in_flight",
+                                      "still in flight"),
     "forward under no_grad": (FORWARD, forward_under_no_grad, "no_graph", "no autograd graph"),
     "forward returns a detached output": (FORWARD, forward_returns_detached, "no_graph", "no autograd graph"),
     "not re-gathered for backward": (BACKWARD, prepare_backward_no_regather, "backward_on_freed",

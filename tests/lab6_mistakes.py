@@ -103,6 +103,10 @@ def d_keeps_no_sync():
     return "unreduced_gradient", {"sync_every_micro_batch": False}
 
 
+def d_yes_for_a_bool():  # truthy, but not the setting's type
+    return "unreduced_gradient", {"sync_every_micro_batch": "yes"}
+
+
 def d_bad_units():
     return "unreduced_gradient", {"units": "leaves"}
 
@@ -131,6 +135,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "d: blames collectives": (D, d_blames_collectives, "wrong_cause", "fewer reduce-scatters than usual"),
     "d: changes the stage": (D, d_changes_the_stage, "symptom_remains", "of gradient held between micro-batches"),
     "d: keeps no_sync": (D, d_keeps_no_sync, "no_change", "the run already has sync_every_micro_batch=False"),
+    "d: a string for a bool": (D, d_yes_for_a_bool, "not_a_bool", "sync_every_micro_batch is True or False, not 'yes'"),
     "d: units that do not exist": (D, d_bad_units, "bad_value", "cannot be built"),
 }
 ON_THREE: dict = {}

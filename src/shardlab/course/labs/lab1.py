@@ -40,8 +40,8 @@ def _show(t: torch.Tensor, most: int = 8) -> str:
 
 def _expect_tensor(value, what: str) -> torch.Tensor:
     if not torch.is_tensor(value):
-        raise Hint(f"{what} should be a tensor, but your function returned {type(value).__name__}: "
-                   "did you forget the return statement?", mistake="not_a_tensor")
+        raise Hint(f"{what} should be a tensor, but your function returned {type(value).__name__}"
+                   + (": did you forget the return statement?" if value is None else ""), mistake="not_a_tensor")
     return value
 
 
@@ -97,8 +97,13 @@ def check_pad_and_split(fn) -> str:
         if torch.is_tensor(shards) and shards.dim() == 2:
             shards = list(shards)
         if not isinstance(shards, (list, tuple)) or not all(torch.is_tensor(s) for s in shards):
-            raise Hint(f"pad_and_split should return a list of {n} tensors, got "
-                       f"{type(shards).__name__}: did you forget the return statement?", mistake="not_a_list")
+            why = ""
+            if shards is None:
+                why = ": did you forget the return statement?"
+            elif torch.is_tensor(shards):  # padded, never split
+                why = f" of {shards.numel()} elements: split it into {n} shards (.chunk({n})) and return them"
+            raise Hint(f"pad_and_split should return a list of {n} tensors, got {type(shards).__name__}{why}",
+                       mistake="not_a_list")
         sizes = [s.numel() for s in shards]
         if n != 4 and numel % n and sizes == [c.numel() for c in _padded(flat, 4).chunk(n)] != \
                 [c.numel() for c in want]:

@@ -249,6 +249,10 @@ def _diagnose(flat, before, master, master_before, grad_before, ref, everyone, m
     if torch.equal(flat, before):
         return Hint("the full weights did not change: after optimizer.step(), all-gather every "
                     "rank's updated shard into flat", GATHER, mistake="no_all_gather")
+    if master.grad is not None and torch.allclose(flat[own], master.grad.detach().to(flat.dtype), atol=1e-6):
+        return Hint(f"after step {step}, flat holds gradients, not weights: its shard {rank} is master.grad. You "
+                    "all-gathered the gradient shards; all-gather master itself (the updated weights)",
+                    "which tensor did optimizer.step() change?", mistake="gathered_grad")
     if (grad_before is not None and master.grad is not None
             and torch.allclose(master.grad.detach(), grad_before + mean[own], atol=1e-5)):
         return Hint(f"after step {step}, master.grad is the last step's gradient plus this one's: you added to "

@@ -146,6 +146,9 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
     # A tensor hook (p.register_hook) fires before p.grad is updated; the only way to tell it from a
     # post-accumulate hook on the wrong parameter, which fires at the same count, is to look.
     tensor_hooks = {u.name: any(p._backward_hooks for p in u.params) for u in units}
+    # How many of a unit's parameters carry a post-accumulate hook besides ``count``: one hooked
+    # parameter and a countdown one short over all of them fire at the same count.
+    hooked = {u.name: sum(len(p._post_accumulate_grad_hooks or ()) > 1 for p in u.params) for u in units}
     for b in range(backwards):
         state["backward"] = b
         for name in got:
@@ -153,7 +156,7 @@ def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
         x, y = lab_model.batch(rank, b)
         lab_model.loss_fn(model(x), y).backward()
     return {"units": units, "calls": calls, "shards": shards, "peak": state["peak"], "tensor_hooks": tensor_hooks,
-            "all_grads": sum(p.numel() * p.element_size() for p in params)}
+            "hooked": hooked, "all_grads": sum(p.numel() * p.element_size() for p in params)}
 
 
 COUNT = "you cannot know which gradient comes last: count how many of len(params) have arrived"
@@ -174,7 +177,14 @@ def check_when_ready(fn) -> str:
                 raise Hint(f"on_ready ran after every gradient of {u.name} ({n} times in {which}): each call "
                            "reduces a partial gradient. Call it once, when the last of the unit's gradients is in",
                            COUNT, mistake="fires_every_hook")
-            if early and early[0] == n - 1 and len(counts) == 1 and not run["tensor_hooks"][u.name]:
+            one_short = early and early[0] == n - 1 and len(counts) == 1 and not run["tensor_hooks"][u.name]
+            if one_short and run["hooked"][u.name] == n:
+                raise Hint(f"on_ready ran for {u.name} in {which} with {n - 1} of its {n} gradients in, though "
+                           f"you hooked all {n} parameters: your count is off by one. It must reach zero "
+                           "(or len(params)) only when every one of the unit's gradients has arrived",
+                           "start the countdown at len(params) and call on_ready when it reaches 0",
+                           mistake="count_off_by_one")
+            if one_short:
                 raise Hint(f"on_ready ran for {u.name} in {which} with {n - 1} of its {n} gradients in: the "
                            "parameter you hooked is not the last to arrive. Gradients arrive roughly in reverse "
                            "order of use, and not exactly (the first parameter's is not the last). Hook every "

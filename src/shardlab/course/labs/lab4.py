@@ -42,6 +42,10 @@ def _at_rest(units) -> str:
 
 def _forward_on_gathered(trace):
     def check(unit) -> None:
+        if unit.gathering is not None:
+            raise Hint(f"{unit.name}'s forward ran while its gather was still in flight (async_op=True, never "
+                       "waited for): its weights may not have arrived. Gather without async_op here",
+                       "unit.gather() returns once the weights are in", mistake="used_in_flight")
         if unit.holds_full:
             return
         if "gather" in trace.of(unit.name, ("gather",)):
@@ -83,6 +87,10 @@ def check_forward(fn) -> str:
         seen = trace.of(u.name, ("gather", "forward", "free"))
         # a gather of a unit that holds its full weights is a no-op (FlatUnit.gather): not a mistake
         seen = [w for i, w in enumerate(seen) if not (w == "gather" and seen[i - 1:i] == ["gather"])]
+        if seen == ["gather", "free"]:  # the right output (checked above) with no forward seen
+            raise Hint(f"{u.name} went gather -> free: its forward hooks never ran, though your output is right. "
+                       "Calling unit.module.forward(x) skips a module's hooks, and FSDP hangs its gather and "
+                       "free on them. Call the module itself: unit.module(x)", mistake="forward_not_called")
         if seen != CYCLE_FORWARD:
             raise Hint(f"{u.name} went {' -> '.join(seen)}; expected {' -> '.join(CYCLE_FORWARD)}", mistake="cycle")
     rest = _at_rest(units)
@@ -127,7 +135,8 @@ def check_prepare_backward(fn) -> str:
             if left[u.name] > 0:
                 raise Hint(f"{u.name} was freed while {left[u.name]} of its {len(u.params)} gradients were still "
                            "to come: its backward needs the full weights until the last one. Free it when "
-                           "all are in (lab4.on_grads_ready)", AFTER_BACKWARD, mistake="freed_too_early")
+                           "all are in (lab4.on_grads_ready): a module's full backward hook and register_multi_grad_hook "
+                           "run before the last p.grad is stored", AFTER_BACKWARD, mistake="freed_too_early")
             traced_free()
 
         u.free = guarded_free

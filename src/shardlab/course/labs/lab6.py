@@ -67,8 +67,9 @@ def _peak_below_zero2(plan: dict) -> str:
         raise Hint(f"rerun with your fix: peak {mine['total']:,} B, still not below ZeRO-2's {zero2['total']:,} B; "
                    f"{mine['gathered']:,} B gathered at once", "which setting decides how much is gathered at once?",
                    mistake="symptom_remains")
+    units = plan.get("units", SETTINGS["units"])  # ZeRO-2's peak moves with the units too: say which
     return (f"rerun on {dist.get_world_size()} ranks: stage 3 peaks at {mine['total']:,} B, below ZeRO-2's "
-            f"{zero2['total']:,} B for the same run; {mine['gathered']:,} B gathered at most")
+            f"{zero2['total']:,} B for the same run (units={units!r}); {mine['gathered']:,} B gathered at most")
 
 
 def _peak_halved(plan: dict) -> str:
@@ -94,6 +95,10 @@ def _link_formula(plan: dict) -> tuple[int, int, float]:
     return units, ledger.calls(), measure.predicted_link_s(ledger.records, dist.get_world_size(), LINK)
 
 
+def _units(n: int) -> str:
+    return f"{n} unit" + ("" if n == 1 else "s")
+
+
 def _fewer_units(plan: dict) -> str:
     """The cause is many small units, each a collective or two that pays latency and a fixed cost on
     the processor, which the α-β formula leaves out (notebook 09's timed steps show it). So a fix
@@ -104,18 +109,19 @@ def _fewer_units(plan: dict) -> str:
     traffic, the price of sharding the weights: said, not hidden."""
     (units, calls, link), (before_units, before_calls, before) = _link_formula(plan), _baseline("link", _link_formula, CASES["c"].plan)
     ddp_units, ddp_calls, ddp = _baseline("link", _link_formula, dict(stage=0))  # DDP as the report runs it
-    on = (f"rerun on {dist.get_world_size()} ranks: {units} units, {calls} collectives a step, "
+    on = (f"rerun on {dist.get_world_size()} ranks: {_units(units)}, {calls} collectives a step, "
           f"{link * 1e3:.1f} ms on {LINK} by the α-β formula")
-    ddp_is = f"DDP as the report runs it: {ddp_units} units, {ddp_calls} collectives, {ddp * 1e3:.1f} ms"
+    ddp_is = (f"DDP as the report runs it: {_units(ddp_units)} (units={SETTINGS['units']!r}), {ddp_calls} "
+              f"collectives, {ddp * 1e3:.1f} ms")
     if units > ddp_units:
-        raise Hint(f"{on}; {ddp_is}. Still {units} units: each one is a collective or more a step, and each "
+        raise Hint(f"{on}; {ddp_is}. Still {_units(units)}: each one is a collective or more a step, and each "
                    "collective pays the link's latency and a fixed cost on the processor that the formula leaves "
                    "out, so the small units, the cause, are still there",
                    "which setting decides how many units the model is cut into?", mistake="small_units_remain")
     if link >= before:
         raise Hint(f"{on}, not less than the {before * 1e3:.1f} ms before the fix; {ddp_is}",
                    "how many collectives does each unit cost?", mistake="symptom_remains")
-    done = f"{on}, down from {before_units} units, {before_calls} collectives and {before * 1e3:.1f} ms; {ddp_is}"
+    done = f"{on}, down from {_units(before_units)}, {before_calls} collectives and {before * 1e3:.1f} ms; {ddp_is}"
     if link <= ddp * 1.001:
         return f"{done}: no more link time than DDP"
     return (f"{done}. The rest is stage 3's extra gather, 3Ψ moved against DDP's 2Ψ by the ring formula, the "
@@ -183,6 +189,8 @@ def _judge(case_id: str, fn) -> str:
     if setting not in SETTINGS:
         raise Hint(f"{setting!r} is not a setting of the plan: choose one of {', '.join(SETTINGS)}",
                    mistake="unknown_setting")
+    if isinstance(SETTINGS[setting], bool) and not isinstance(value, bool):
+        raise Hint(f"{setting} is True or False, not {value!r}: give it a bool", mistake="not_a_bool")
     if case.plan.get(setting, SETTINGS[setting]) == value:
         raise Hint(f"the run already has {setting}={value!r}: change it", mistake="no_change")
     try:
