@@ -10,17 +10,12 @@ import pytest
 
 from shardlab import planner
 from shardlab.planner import step
-from shardlab.planner.step import _Link, _overlap
+from shardlab.planner.step import _Link, _merged, _overlap
 
 
 def _every_pair(computing, *links):
-    """The old double loop, kept here as the reference: merge the transfers, then every pair."""
-    merged = []
-    for start, end in sorted(span for link in links for span in link.spans if span[1] > span[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    """The old double loop, kept here as the reference: the same merged transfers, then every pair."""
+    merged = _merged(links)
     return sum(max(0.0, min(c1, t1) - max(c0, t0)) for c0, c1 in computing for t0, t1 in merged)
 
 

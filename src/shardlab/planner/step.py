@@ -77,6 +77,17 @@ class _Link:
         return self.free_at
 
 
+def _merged(links) -> list[list[float]]:
+    """Every link's non-empty transfer spans, sorted and merged where they touch or overlap."""
+    merged = []
+    for start, end in sorted(span for link in links for span in link.spans if span[1] > span[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
 def _overlap(computing: list[tuple[float, float]], *links: _Link) -> float:
     """Seconds of compute with at least one transfer beside it, on any link.
 
@@ -88,12 +99,7 @@ def _overlap(computing: list[tuple[float, float]], *links: _Link) -> float:
     replay's back-to-back compute spans, not O(C × T). It adds the same nonzero terms in the
     same order as the sum over every pair, so it returns the same float
     (``tests/test_planner_overlap.py`` checks it against that sum)."""
-    merged = []
-    for start, end in sorted(span for link in links for span in link.spans if span[1] > span[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    merged = _merged(links)
     ends = [t1 for _, t1 in merged]  # merged spans are disjoint and sorted, so their ends are too
     total = 0.0
     for c0, c1 in computing:
