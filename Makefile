@@ -1,7 +1,8 @@
 # The two commands of the README's quick start:
 #   make lab    create .venv if needed, then open the course in JupyterLab
-#   make test   create .venv if needed, then run the test suite and every notebook and lab
-#               (solutions and student versions) under nbval
+#   make test   create .venv if needed, then run every notebook under nbval, build the website
+#               from that run, and run the test suite and every lab (solutions and student
+#               versions) under nbval
 # Both are idempotent: the environment is rebuilt only when pyproject.toml changes.
 # For clusters and workshops (workshop/README.md):
 #   make install                 set up .venv and nothing else (no server, no tests)
@@ -59,11 +60,21 @@ lab: $(VENV)/.installed
 	$(BIN)/jupyter lab $(LAB_FLAGS) --ServerApp.root_dir="$(CURDIR)" \
 		--LabApp.default_url=/lab/tree/notebooks/00_start_here.ipynb
 
-# What runs under nbval (`make test NBVAL=labs` skips the notebooks, e.g. right after `make site`).
-NBVAL ?= notebooks labs
+# `make test`, in three steps, so that no notebook runs twice:
+#   1. every notebook under nbval, with the website's settings (the widgets' plain-text fallback),
+#      each executed copy kept for the site (conftest.py's --site-copies);
+#   2. the website from those copies (website/build.py reuses them: no notebook runs again);
+#   3. the test suite (tests/test_site.py reads that site; tests/test_browser.py runs the widgets
+#      in chromium) and every lab, solutions and student versions, under nbval.
+# `make test NOTEBOOKS=` skips step 1 (step 2 then runs any notebook that changed).
+NOTEBOOKS ?= notebooks
+LABS      ?= labs
+NBVAL_ARGS = --nbval-lax --nbval-cell-timeout=120
 
-test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests $(NBVAL) --nbval-lax --nbval-cell-timeout=120
+test: $(VENV)/.site-installed
+	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) --site-copies=_build/executed/notebooks)
+	$(BIN)/python website/build.py
+	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

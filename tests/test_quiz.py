@@ -229,3 +229,21 @@ def test_widget_check_button_fills_the_feedback():
     button.click()
     assert "✓" in feedback.value and seen == [False, True]
 
+
+
+@pytest.mark.parametrize("bank", sorted(quiz_bank.bank_files()))
+def test_every_question_builds_as_the_widget_a_learner_clicks(bank):
+    """nbval runs the notebooks with the plain-text quizzes the website shows (Makefile); here
+    every question of every bank is built as its widget, and its Check button answers."""
+    W = pytest.importorskip("ipywidgets")
+    from shardlab.course import quiz_widgets
+
+    qs = quiz_bank.questions(bank)
+    box = quiz_widgets.build(qs, on_check=lambda q, fb: None)
+    items = [c for c in box.children if isinstance(c, W.VBox) and len(c.children) == 4]
+    assert len(items) == len(qs), f"{bank}: {len(items)} question widgets for {len(qs)} questions"
+    for q, item in zip(qs, items):
+        title, _, button, feedback = item.children
+        assert isinstance(button, W.Button) and button.description == "Check", q.id
+        button.click()  # no answer picked yet: the feedback says so, it does not raise
+        assert feedback.value, f"{q.id}: Check gave no feedback"

@@ -10,7 +10,7 @@ torch, the ranks and the CPU. A missing or empty page fails.
 
 The site is served on loopback; requests that leave the machine (fonts, MathJax) are refused,
 as they would fail here anyway. Screenshots go to test-artifacts/site-*.png. Without a built
-site these tests skip locally (run `make site`) and fail under CI=true, where .ci/run builds it.
+site these tests skip locally (run `make site`) and fail under CI=true, where `make test` builds it.
 """
 
 from __future__ import annotations
@@ -145,6 +145,23 @@ def test_notebook_page_shows_every_output(browser, notebook):
         assert not errors, f"{page_path}: console errors {errors}"
     finally:
         page.close()
+
+
+def test_each_page_is_the_nbval_run_of_todays_notebook():
+    """`make test` runs each notebook once: nbval's run, with the site's settings, is what the
+    page shows (conftest.py's --site-copies), and a copy's key names the notebook and package
+    that are here now."""
+    _site_or_skip()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("site_execute", ROOT / "website" / "execute.py")
+    execute = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(execute)
+    for notebook in NOTEBOOKS:
+        meta = nbformat.read(EXECUTED / notebook.name, as_version=4).metadata.get("shardlab_site", {})
+        assert meta.get("key") == execute.key_of(notebook), f"{notebook.name}: the site shows another version's run"
+        if os.environ.get("CI", "").lower() == "true":
+            assert meta.get("by") == "nbval", f"{notebook.name}: ran by {meta.get('by')!r}, not by make test's nbval run"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)

@@ -19,6 +19,7 @@ reused, so a second ``make site`` executes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -77,6 +78,23 @@ def ranks_of(nb) -> int | None:
     return max(sizes) if sizes else (max(labels) + 1 if max(labels) >= 0 else None)
 
 
+@contextlib.contextmanager
+def site_environment():
+    """The site's settings while a kernel starts (it and its ranks inherit them): plain-text
+    widgets, and no SHARDLAB_LEARNER, so the page shows the numbers as written."""
+    saved = {name: os.environ.get(name) for name in ("SHARDLAB_NO_WIDGETS", "SHARDLAB_LEARNER")}
+    os.environ["SHARDLAB_NO_WIDGETS"] = "1"
+    os.environ.pop("SHARDLAB_LEARNER", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def execute(notebook: Path, out_dir: Path, force: bool = False) -> tuple[Path, dict, bool]:
     """The executed copy of ``notebook`` in ``out_dir``: (path, its site metadata, was it reused)."""
     target = out_dir / notebook.name
@@ -86,29 +104,33 @@ def execute(notebook: Path, out_dir: Path, force: bool = False) -> tuple[Path, d
         if old.get("key") == key:
             return target, old, True
     nb = nbformat.read(notebook, as_version=4)
-    env_before = os.environ.get("SHARDLAB_NO_WIDGETS")
-    learner_before = os.environ.pop("SHARDLAB_LEARNER", None)  # the page shows the written numbers
-    os.environ["SHARDLAB_NO_WIDGETS"] = "1"  # the kernel (and its ranks) inherit it
     t0 = time.perf_counter()
-    try:
+    with site_environment():
         _SiteClient(nb, timeout=int(CELL_TIMEOUT_S * slowdown()), kernel_name="python3",
                     coalesce_streams=True, record_timing=False,
                     extra_arguments=["--IPKernelApp.log_level=ERROR"],  # no start-up chatter
                     resources={"metadata": {"path": str(notebook.parent)}}).execute()
-    finally:
-        if env_before is None:
-            os.environ.pop("SHARDLAB_NO_WIDGETS", None)
-        else:
-            os.environ["SHARDLAB_NO_WIDGETS"] = env_before
-        if learner_before is not None:
-            os.environ["SHARDLAB_LEARNER"] = learner_before
-    seconds = round(time.perf_counter() - t0, 1)
-    meta = {"key": key, "seconds": seconds, "ranks": ranks_of(nb),
+    target, meta = save_copy(notebook, nb, out_dir, key, time.perf_counter() - t0, by="nbclient")
+    return target, meta, False
+
+
+def save_copy(notebook: Path, nb, out_dir: Path, key: str, seconds: float, by: str) -> tuple[Path, dict]:
+    """Keep ``nb``, ``notebook`` executed with the settings above, as the site's copy.
+
+    ``key`` is :func:`key_of` taken before the run began (what ran, not what is there now).
+    ``by`` names what ran it: ``nbclient`` (``make site``) or ``nbval`` (``make test``, whose run
+    of notebooks/ uses the same settings: the root conftest.py's ``--site-copies``). The copy is
+    written to a temporary name and renamed, so a run stopped half-way leaves no half a notebook.
+    """
+    meta = {"key": key, "seconds": round(seconds, 1), "ranks": ranks_of(nb), "by": by,
             "executed_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     nb.metadata["shardlab_site"] = meta
     out_dir.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, target)
-    return target, meta, False
+    target = out_dir / notebook.name
+    partial = target.with_suffix(".partial")
+    nbformat.write(nb, partial)
+    partial.replace(target)
+    return target, meta
 
 
 def execute_all(out_dir: Path, force: bool = False) -> dict[str, dict]:
