@@ -67,14 +67,19 @@ lab: $(VENV)/.installed
 #   3. the test suite (tests/test_site.py reads that site; tests/test_browser.py runs the widgets
 #      in chromium) and every lab, solutions and student versions, under nbval.
 # `make test NOTEBOOKS=` skips step 1 (step 2 then runs any notebook that changed).
+# Step 3 runs on PYTEST_WORKERS processes (pytest-xdist; 0 = this process alone). Much of it waits
+# (a deliberate hang that must time out, a SLURM job, a browser), so 3 processes on 2 cores finish
+# sooner; the tests that share a module fixture or a cache stay on one process (xdist_group).
+# Step 1 stays on one process: a notebook's measured times must not share the cores.
 NOTEBOOKS ?= notebooks
 LABS      ?= labs
+PYTEST_WORKERS ?= 3
 NBVAL_ARGS = --nbval-lax --nbval-cell-timeout=120
 
 test: $(VENV)/.site-installed
 	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) --site-copies=_build/executed/notebooks)
 	$(BIN)/python website/build.py
-	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS)
+	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadgroup
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -36,9 +36,17 @@ _PARITY: list[tuple[str, float]] = []
 
 
 @pytest.fixture
-def parity_log():
-    """Record (configuration, max abs difference) for the summary printed at the end."""
-    return lambda label, diff: _PARITY.append((label, diff))
+def parity_log(request):
+    """Record (configuration, max abs difference) for the summary printed at the end.
+
+    The pair rides on the test's report (``user_properties``), so that under pytest-xdist
+    (``make test`` runs the tests on several processes) it reaches the process that prints."""
+    return lambda label, diff: request.node.user_properties.append(("parity", (label, float(diff))))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _PARITY.extend(tuple(value) for key, value in report.user_properties if key == "parity")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -128,8 +128,10 @@ def test_a_real_collective_is_slowed_then_restored():
     expected = link_delay("all_gather", 500_000, 4, 2, bw, 0.0)
     assert expected == pytest.approx(0.16)
     for before, during, after, slept, still_listening, booked in launch.run_ranks(timed_all_gather, 2, bw, timeout=slowdown(90)):
-        assert during >= 0.95 * expected and during > before + 0.1
+        assert during >= 0.95 * expected  # at least the link's time inside emulate_link ...
+        assert before < 0.95 * expected and after < 0.95 * expected  # ... and only inside it
         assert booked >= 0.95 * expected  # instruments see the slow link's completion time
-        assert slept > 0.1
-        assert after < expected / 2
+        # The emulator sleeps what the real collective left of the link's time: on a loaded
+        # machine the collective itself takes longer and the sleep is shorter, but never none.
+        assert slept > 0
         assert not still_listening
