@@ -159,7 +159,7 @@ def test_bad_answers_get_a_clear_error():
     with pytest.raises(ValueError, match="among"):
         quiz_bank.check("01.bytes_per_param", "z")
     with pytest.raises(ValueError, match="wants a number"):
-        quiz_bank.check("01.seven_b_zero3", "fourteen")
+        quiz_bank.check("01.zero3_gb_per_gpu", "fourteen")
     with pytest.raises(ValueError, match="no single quiz bank"):
         quiz_bank.questions("99")
 

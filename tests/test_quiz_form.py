@@ -151,7 +151,7 @@ def test_two_learners_get_different_numbers_each_checked_against_the_formula(q):
         elif q.id == "05.bandwidth_needed":
             expect = 3 * v["billions"] * 1e9 * (v["gpus"] - 1) / v["gpus"] * 2 * 8 / v["seconds"] / 1e9
         else:
-            per_gpu = {"01.seven_b_replica": 16, "03.zero1_gb": 4 + 12 / v.get("gpus", 1)}.get(q.id, 16 / v.get("gpus", 1))
+            per_gpu = {"01.replica_gb": 16, "03.zero1_gb": 4 + 12 / v.get("gpus", 1)}.get(q.id, 16 / v.get("gpus", 1))
             expect = v["billions"] * per_gpu
         assert abs(shown.answer - expect) <= 1e-6 * abs(expect), (name, v)
         assert quiz_bank.check(q.id, expect, name).correct
@@ -162,7 +162,7 @@ def test_two_learners_get_different_numbers_each_checked_against_the_formula(q):
 def test_quiz_learner_sets_the_numbers_for_show_and_answer(monkeypatch, capsys):
     monkeypatch.setenv("SHARDLAB_NO_WIDGETS", "1")
     monkeypatch.delenv("SHARDLAB_LEARNER", raising=False)
-    q = quiz_bank.get("01.seven_b_zero3")
+    q = quiz_bank.get("01.zero3_gb_per_gpu")
     try:
         quiz.learner("alice")
         mine = quiz_bank.for_learner(q, "alice")
