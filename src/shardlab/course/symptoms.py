@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from shardlab import models
 from shardlab.course import measure
+from shardlab.engine import comm
 from shardlab.engine.api import engine_of, full_state_dict
 from shardlab.instruments.memory import memory_report, track_memory
 from shardlab.instruments.timeline import trace
@@ -55,9 +56,10 @@ def peak(plan: dict, samples: bool = False) -> dict:
     """One step after a warm-up, under ``track_memory``: the peak and what made it.
 
     Returns ``total`` (bytes at the peak sample), ``at_peak`` (its bytes by category),
-    ``gathered`` and ``activations`` (the most of each at any moment), ``at_rest`` (params,
-    grads and optimizer after the step), ``psi``, ``world_size`` and, with ``samples``, the
-    samples ``plots.memory_over_time`` draws.
+    ``peak_at`` (when it came: the sample's ``phase``, engine ``event`` and ``unit``, since two
+    runs' peaks can fall at different moments of the step), ``gathered`` and ``activations``
+    (the most of each at any moment), ``at_rest`` (params, grads and optimizer after the step),
+    ``psi``, ``world_size`` and, with ``samples``, the samples ``plots.memory_over_time`` draws.
     """
     model, optimizer = build(plan)
     batches = _batches(model, plan, 2)
@@ -65,7 +67,8 @@ def peak(plan: dict, samples: bool = False) -> dict:
     with track_memory(model, optimizer) as mem:
         measure.train_step(model, optimizer, *batches[1])
     rest = memory_report(model, optimizer)
-    return dict(total=mem.peak["total"], at_peak=dict(mem.peak["bytes"]), gathered=mem.peak_of("gathered"),
+    return dict(total=mem.peak["total"], at_peak=dict(mem.peak["bytes"]),
+                peak_at={k: mem.peak[k] for k in ("phase", "event", "unit")}, gathered=mem.peak_of("gathered"),
                 activations=mem.peak_of("activations"), psi=_psi(plan),
                 at_rest={k: rest[k] for k in ("params", "grads", "optimizer")},
                 world_size=dist.get_world_size(), samples=mem.samples if samples else None)
@@ -79,8 +82,12 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
     Returns ``grads_between`` (gradient bytes this rank holds after the first micro-batch),
     the ledger of the whole step (``reduce_scatters``: their calls; ``ring_formula_bytes``: the ring
     formula's bytes of every collective; ``wire_bytes``: the bytes gloo measured on this rank's sockets),
-    the weights after the step (``weights``: to check that both ways train alike), ``psi`` and the
-    engine's ``units`` (each pads its flat buffer by at most N-1 elements).
+    the whole reduced gradient the optimizer stepped (``grads``) and the weights after the step
+    (``weights``), both keyed as ``model.state_dict()``, to check that both ways train alike,
+    AdamW's ``lr`` and ``eps`` (``adam``), ``psi`` and the engine's ``units`` (each pads its flat
+    buffer by at most N-1 elements). ``grads`` is the sharper of the two checks: AdamW's first
+    step moves most weights by about ``lr * sign(g)``, so the weights hide a gradient off by a
+    factor, and a gradient below ``eps`` by ``lr * g / eps``, so they magnify its rounding.
     """
     if micro_batches < 1:
         raise ValueError(f"accumulate needs at least one micro-batch, got micro_batches={micro_batches}")
@@ -96,12 +103,33 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
             if i == 0:
                 grads_between = memory_report(model, optimizer)["grads"]
         optimizer.step()
-    weights = full_state_dict(model)
+    weights, grads = full_state_dict(model), _full_grads(model)  # gathered after the ledger closed
     optimizer.zero_grad()
+    group = optimizer.param_groups[0]
     return dict(grads_between=grads_between, psi=_psi(plan), world_size=dist.get_world_size(),
                 units=len(engine_of(model).units),
                 reduce_scatters=ledger.calls("reduce_scatter"),
-                ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), weights=weights)
+                ring_formula_bytes=ledger.ring_bytes(), wire_bytes=ledger.wire_bytes(), grads=grads,
+                weights=weights, adam=dict(lr=group["lr"], eps=group["eps"]))
+
+
+@torch.no_grad()
+def _full_grads(model) -> dict:
+    """The reduced gradient the optimizer stepped, whole, keyed as ``model.state_dict()``: every
+    unit's shards all-gathered (after the step and before ``zero_grad``; the step reads the
+    gradient, it does not change it). A unit no rank gave a gradient is left out."""
+    by_id = {}
+    for unit in engine_of(model).units:
+        grad = unit.master.grad
+        if grad is None:
+            continue
+        if grad.numel() != unit.padded_numel:  # a shard (stages 1-3): borrow the others'
+            full = torch.empty(unit.padded_numel, dtype=grad.dtype, device=grad.device)
+            comm.all_gather(full, grad.detach(), unit=unit.name)
+            grad = full
+        for p, t in zip(unit.params, unit.views(grad)):
+            by_id[id(p)] = t.clone()
+    return {name: by_id[id(t)] for name, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
 
 
 def link_times(plans: dict, link="1GbE", steps: int = 3, loopback: bool = False) -> dict:
