@@ -19,6 +19,7 @@ from support import slowdown
 
 from shardlab import launch
 from shardlab.cluster.core import Cluster, _pick_backend
+from shardlab.cluster.on_rank import gpu_index
 
 
 @pytest.mark.parametrize("gpus, ranks, expected", [
@@ -72,6 +73,17 @@ def test_each_rank_says_its_device_and_which_backend_carries_which_tensors():
     assert (launch.describe(0, "cuda:0", "cpu:gloo,cuda:nccl")
             == "[rank 0] cuda:0, gloo for CPU tensors, nccl for CUDA tensors")
     assert launch.describe(3, "cpu", "gloo") == "[rank 3] cpu, gloo for CPU tensors"
+
+
+def test_a_kernel_inside_a_slurm_job_gives_rank_r_cuda_r():
+    """A notebook inside `sbatch workshop/jupyter.sbatch` has the batch step's SLURM_LOCALID=0 in its
+    environment, and the engines it starts inherit it: read there, it would put every rank on
+    cuda:0 (NCCL refuses two ranks on one GPU). Only engines SLURM placed take their local id."""
+    batch_step = {"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_JOB_ID": "4242"}
+    assert [gpu_index(r, 4, False, batch_step) for r in range(4)] == [0, 1, 2, 3]
+    placed = [{"SLURM_LOCALID": str(r % 4)} for r in range(8)]  # 2 nodes x 4 tasks, engines="slurm"
+    assert [gpu_index(r, 4, True, placed[r]) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [gpu_index(r, 1, True, placed[r]) for r in range(8)] == [0] * 8  # --gpus-per-task=1: each sees one
 
 
 def test_the_clusters_repr_says_where_ranks_run():

@@ -118,3 +118,12 @@ def test_the_assumptions_table_keeps_flag_and_value_apart(capsys):
     rows = report.assumptions(planner.Plan("ddp"), network="nccl")
     for what, value, flag in rows:  # code review round 3 L10: a 43-character flag ran into its value
         assert f"  {what:<30}{flag:<{report.FLAG_WIDTH}}{value}" in words and len(flag) < report.FLAG_WIDTH - 1
+
+
+def test_the_assumptions_table_names_what_notebook_08_explains():
+    """Notebook 08's text names these rows of its assumptions table (an HSDP plan with accumulation,
+    as it shows them). A table's labels against a literal set check nothing on live ranks, so the
+    check lives here, not in the notebook."""
+    rows = {what for what, _, _ in report.assumptions(planner.Plan("hsdp", grad_accum=4))}
+    assert {"attention kernel", "reduce dtype", "HSDP's deferral", "NIC sharing", "buckets", "network bus",
+            "overlap"} <= rows

@@ -133,8 +133,9 @@ def test_the_notebooks_table_agrees_with_these_tests():
     rows = pub.rows()
     checks = pub.predictions(rows)
     assert len(checks) == 6 and all(r.kind == "identity" for r in rows if r not in checks)
+    assert all(r.case != "GPT-3 layer activations, GB (s 2048, b 1)" for r in rows)  # a formula's value, not published
     missed = {r.case for r in checks if not r.within}
     assert missed <= {r.case for r in rows if r.why}, "a row that misses must say why"
     assert missed == {"ZeRO-3 175B, 768 A100, micro-batch 2: TFLOPS/GPU", "ZeRO-3 175B, 1536 A100, micro-batch 1: TFLOPS/GPU"}
     text = pub.table(rows)
-    assert all(r.case in text for r in rows) and text.count("see why") == 2 and text.count("identity") == 2
+    assert all(r.case in text for r in rows) and text.count("see why") == 2 and text.count("identity") == 1

@@ -9,9 +9,11 @@ state; ``jupyter.sbatch``'s server answers on the port its job printed, with the
 URL file, and another token is refused; two learners of one account on one node each reach
 their own server; a port already taken is refused with a clear error, never silently swapped
 for the next one (Jupyter's default ``port_retries=50`` did that); ``workshop/seat.sh`` seats
-three learners from a roster, each in a working copy of their own. What they cannot show: GPUs
-(this node has none), a login host in front of the nodes, and ssh itself (the tunnel
-``-L P:127.0.0.1:P`` ends at 127.0.0.1:P of the node, which is what is checked here).
+its caller with one command, under the caller's account, and a rerun reuses the job; with
+``--shared-account`` it seats three names of a roster (a dry run), each in a working copy of its
+own. What they cannot show: GPUs (this node has none), a login host in front of the nodes, a
+second account, and ssh itself (the tunnel ``-L P:127.0.0.1:P`` ends at 127.0.0.1:P of the node,
+which is what is checked here).
 """
 
 from __future__ import annotations
@@ -183,21 +185,56 @@ def test_a_taken_port_is_refused_not_silently_moved(tmp_path):
     assert f"error: port {port} is already in use" in text
 
 
-def test_the_room_command_seats_three_learners(tmp_path):
-    """workshop/seat.sh from a roster: a working copy and a server each, each told its tunnel and URL file."""
+def test_a_learner_seats_themselves_with_one_command_and_a_rerun_reuses_the_job(tmp_path):
+    """workshop/seat.sh with no name: the caller's own seat, under their account (the tunnel's user),
+    with a walltime counted to --until; run again while the job runs, it hands out the same lines
+    and submits nothing."""
+    import datetime
+
+    end = datetime.datetime.now() + datetime.timedelta(minutes=20)
+    if end.date() != datetime.date.today():
+        pytest.skip("--until names a time today; too close to midnight to test it")
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
+    env = job_env(tmp_path, SEAT_WAIT=str(int(slowdown(300))))
+    env.pop("SHARDLAB_DIR")  # seat.sh sets it
+    command = [str(WORKSHOP / "seat.sh"), "--room", str(tmp_path / "room"), "--until", end.strftime("%H:%M"),
+               "--", "--cpus-per-task=1", "--mem=1G"]
+    first = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=slowdown(400))
+    jobs = re.findall(r"seated \S+: job (\d+)", first.stdout)
+    try:
+        assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+        assert jobs and f"seated {me}: job {jobs[0]}, working copy" in first.stdout
+        seat = (tmp_path / "room" / me / "SEAT.txt").read_text()
+        port, token, _ = tunnel_and_token(seat)  # the tunnel's user is the caller, the job's owner
+        assert status_code(port, token) == 200
+        limit = subprocess.run(["squeue", "-h", "-j", jobs[0], "-o", "%l"], capture_output=True, text=True).stdout
+        assert limit.strip() in {"19:00", "20:00", "21:00"}, limit  # counted from now to --until
+        again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=slowdown(120))
+        assert again.returncode == 0 and f"seated {me}: job {jobs[0]} again" in again.stdout, again.stdout + again.stderr
+        assert seat in again.stdout
+        queued = subprocess.run(["squeue", "-h", "-n", f"shardlab-{me}", "-o", "%i"], capture_output=True, text=True)
+        assert queued.stdout.split() == [jobs[0]], "a rerun submitted a second server"
+    finally:
+        cancel(*jobs)
+
+
+def test_the_dry_run_seats_three_names_under_one_account_when_asked(tmp_path):
+    """workshop/seat.sh --shared-account from a roster (the instructor's dry run): a working copy and
+    a server each, each told its tunnel and URL file. Without --shared-account it would refuse them."""
+    names = [f"{name}-{os.getpid()}" for name in ("ada", "grace", "linus")]  # no other run's job of that name
     roster = tmp_path / "room.txt"
-    roster.write_text("# the room\nada\ngrace\n\nlinus  (late)\n")
+    roster.write_text(f"# the room\n{names[0]}\n{names[1]}\n\n{names[2]}  (late)\n")
     env = job_env(tmp_path, SEAT_WAIT=str(int(slowdown(300))))
     env.pop("SHARDLAB_DIR")  # seat.sh sets it per learner
-    done = subprocess.run([str(WORKSHOP / "seat.sh"), "--roster", str(roster), "--room", str(tmp_path / "room"),
-                           "--", *SMALL], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=slowdown(400))
+    done = subprocess.run([str(WORKSHOP / "seat.sh"), "--shared-account", "--roster", str(roster),
+                           "--room", str(tmp_path / "room"), "--", *SMALL], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=slowdown(400))
     jobs = re.findall(r"seated \S+: job (\d+)", done.stdout)
     try:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert len(jobs) == 3, done.stdout
         ports = set()
-        for name in ("ada", "grace", "linus"):
+        for name in names:
             copy = tmp_path / "room" / name
             assert (copy / "notebooks" / "00_start_here.ipynb").is_file() and (copy / "labs").is_dir()
             seat = (copy / "SEAT.txt").read_text()

@@ -3,6 +3,7 @@ what the scripts would start, so a broken flag or a wrong tunnel command fails h
 day, in a second and without SLURM. tests/test_slurm.py submits the same scripts to a real SLURM
 (under CI); the run on a GPU cluster is step 1 of workshop/README.md."""
 
+import json
 import os
 import subprocess
 import sys
@@ -167,3 +168,62 @@ def test_the_site_hook_runs_before_the_environment(tmp_path):
                          capture_output=True, text=True, timeout=slowdown(60))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("site hook ran") and "srun " in out.stdout
+
+
+def fake_slurm(tmp_path: Path, queued: str = "") -> dict:
+    """seat.sh's view of SLURM: an sbatch that records its arguments and answers job 4242, and a
+    squeue that lists ``queued`` (a job id) for any question."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path / "sbatch-calls"}\necho 4242\n')
+    (bin_dir / "squeue").write_text(f'#!/bin/bash\n[ -n "{queued}" ] && echo {queued}\nexit 0\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHARDLAB_ENV": sys.prefix,
+            "HOME": str(tmp_path / "home"), "USER": "ada"}
+
+
+def seat(tmp_path: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(WORKSHOP / "seat.sh"), "--room", str(tmp_path / "room"), "--no-wait", *args],
+                          env=env, capture_output=True, text=True, timeout=slowdown(120))
+
+
+def test_seat_sh_refuses_to_seat_someone_else_under_your_account(tmp_path):
+    """Seated under the caller's account, another learner could neither tunnel nor read the URL,
+    and their terminal would be a shell as the caller: a name that is not the caller's is refused."""
+    env = fake_slurm(tmp_path)
+    out = seat(tmp_path, "grace", env=env)
+    assert out.returncode == 2 and "'grace' is not your account (ada)" in out.stderr and "--shared-account" in out.stderr
+    assert not (tmp_path / "sbatch-calls").exists()
+    out = seat(tmp_path, "--shared-account", "grace", env=env)  # a dry run's seats: allowed, when asked for
+    assert out.returncode == 0, out.stderr
+    assert "--job-name=shardlab-grace" in (tmp_path / "sbatch-calls").read_text()
+
+
+def test_seat_sh_seats_the_caller_with_a_time_counted_to_the_end_of_the_day(tmp_path):
+    import datetime
+
+    env = fake_slurm(tmp_path)
+    end = datetime.datetime.now() + datetime.timedelta(minutes=90)
+    if end.date() != datetime.date.today():
+        pytest.skip("--until names a time today; too close to midnight to test it")
+    out = seat(tmp_path, "--until", end.strftime("%H:%M"), "--", "--partition=cpu", env=env)
+    assert out.returncode == 0, out.stderr
+    call = (tmp_path / "sbatch-calls").read_text()
+    minutes = int(call.split("--time=")[1].split()[0])
+    assert 89 <= minutes <= 91 and "--job-name=shardlab-ada" in call
+    assert call.index("--time=") < call.index("--partition=cpu")  # the learner's own arguments come last, and win
+    copy = tmp_path / "room" / "ada"
+    assert (copy / "notebooks" / "00_start_here.ipynb").is_file() and f"--chdir={copy}" in call
+    book = json.loads((copy / "notebooks" / "06_real_gpus.ipynb").read_text())
+    assert all(c["outputs"] == [] for c in book["cells"] if c["cell_type"] == "code")
+    out = seat(tmp_path, "--until", "00:00", env=env)
+    assert out.returncode == 2 and "has already passed today" in out.stderr
+
+
+def test_seat_sh_run_again_reuses_the_queued_job(tmp_path):
+    """A second run while the learner's job is queued or running submits nothing: no second server."""
+    env = fake_slurm(tmp_path, queued="777")
+    out = seat(tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "seated ada: job 777 again" in out.stdout and not (tmp_path / "sbatch-calls").exists()

@@ -123,8 +123,8 @@ class Engines:
                                     self.world_size + 1, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=max(self.timeout, 120.0)))
         results = [
-            self.client[eid].apply_async(init_rank, rank, self.world_size, self.host,
-                                         self._store.port, self.backend, self.timeout, self.threads)
+            self.client[eid].apply_async(init_rank, rank, self.world_size, self.host, self._store.port,
+                                         self.backend, self.timeout, self.threads, self.launcher != "local")
             for rank, eid in enumerate(self.ids)
         ]
         infos = []

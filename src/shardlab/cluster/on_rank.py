@@ -41,10 +41,24 @@ def ipython_shell():
     return get_ipython()
 
 
+def gpu_index(rank: int, gpus: int, placed: bool, environ) -> int:
+    """Which of the ``gpus`` GPUs this process sees rank ``rank`` drives: one GPU per engine.
+
+    Engines this kernel started take ``cuda:rank``. Engines placed by SLURM (``placed``) take
+    their node-local id, ``SLURM_LOCALID``, modulo the GPUs they see (1 with --gpus-per-task=1).
+    Only those: a kernel inside a SLURM job (``sbatch workshop/jupyter.sbatch``) has the batch
+    step's ``SLURM_LOCALID=0`` in its environment, and its engines inherit it, so reading it
+    there would put every rank on cuda:0, which NCCL refuses.
+    """
+    local = int(environ.get("SLURM_LOCALID", rank)) if placed else rank
+    return local % gpus
+
+
 def init_rank(rank: int, world_size: int, host: str, port: int, backend: str, timeout: float,
-               threads: int | None) -> dict:
+               threads: int | None, placed: bool = False) -> dict:
     """(Re)join the process group as ``rank``; put ``rank``, ``world_size``, ``torch``, ``dist``
-    and ``device`` in the rank's namespace so cells can use them directly."""
+    and ``device`` in the rank's namespace so cells can use them directly. ``placed``: the engine
+    was started by a launcher that places it on a node (SLURM's srun), not by this kernel."""
     import torch
     import torch.distributed as dist
 
@@ -54,14 +68,12 @@ def init_rank(rank: int, world_size: int, host: str, port: int, backend: str, ti
         dist.destroy_process_group()
     local = rank
     if carriers(backend).get("cuda") == "nccl":
-        # One GPU per engine: local engines take cuda:rank; engines placed by SLURM take their
-        # node-local id, modulo the GPUs they see (1 with --gpus-per-task=1).
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             raise RuntimeError(f"backend={backend!r} needs a GPU on every rank, but rank {rank} sees none "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                                "use backend='gloo', or ask SLURM for a GPU per task")
-        local = int(os.environ.get("SLURM_LOCALID", rank)) % gpus
+        local = gpu_index(rank, gpus, placed, os.environ)
     # Joining may take long on a busy laptop, a collective should not: join with a generous
     # timeout, then set the collectives' one.
     join = max(timeout, 120.0)
