@@ -69,8 +69,9 @@ lab: $(VENV)/.installed
 # `make test NOTEBOOKS=` skips step 1 (step 2 then runs any notebook that changed).
 # Step 3 runs on PYTEST_WORKERS processes (pytest-xdist; 0 = this process alone). Much of it waits
 # (a deliberate hang that must time out, a SLURM job, a browser), so 3 processes on 2 cores finish
-# sooner; the tests that share a module fixture or a cache stay on one process (xdist_group).
-# Step 1 stays on one process: a notebook's measured times must not share the cores.
+# sooner. --dist loadfile keeps each file on one process, in order: a notebook's cells share one
+# kernel, and a module's fixtures run once. Step 1 stays on one process: a notebook's measured
+# times must not share the cores.
 NOTEBOOKS ?= notebooks
 LABS      ?= labs
 PYTEST_WORKERS ?= 3
@@ -79,7 +80,7 @@ NBVAL_ARGS = --nbval-lax --nbval-cell-timeout=120
 test: $(VENV)/.site-installed
 	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) --site-copies=_build/executed/notebooks)
 	$(BIN)/python website/build.py
-	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

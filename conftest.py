@@ -159,11 +159,3 @@ def pytest_runtest_teardown(item, nextitem):
     _site().save_copy(path, nb, out_dir if out_dir.is_absolute() else ROOT / out_dir, copy.key,
                       time.perf_counter() - copy.started, by="nbval")
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """A notebook's cells share one kernel: under ``--dist loadgroup`` (``make test`` runs the
-    tests and labs on several processes) every cell of one file goes to the same process."""
-    for item in items:
-        if hasattr(item, "cell_num"):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

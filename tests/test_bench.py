@@ -19,8 +19,6 @@ from shardlab.bench import configs as bench_configs
 from shardlab.bench import report as bench_report
 from shardlab.bench import run as bench
 
-pytestmark = pytest.mark.xdist_group("test_bench")  # one process under pytest-xdist: its module fixture runs the benchmark once
-
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):

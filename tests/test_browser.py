@@ -31,7 +31,7 @@ import psutil
 import pytest
 from support import slowdown
 
-pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("test_browser")]  # one process under xdist: one JupyterLab and one chromium for the module
+pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"

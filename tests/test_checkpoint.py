@@ -17,8 +17,6 @@ from support import SLOWDOWN
 from shardlab.launch import RankError, run_ranks
 from shardlab.models import gpt
 
-pytestmark = pytest.mark.xdist_group("test_checkpoint")  # one process under pytest-xdist: its module fixture saves the checkpoint once
-
 FP32_TOL = 1e-5  # as in test_engine_parity: only the order of the gradient sums differs
 
 

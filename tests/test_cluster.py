@@ -23,8 +23,6 @@ import shardlab
 from shardlab.cluster import ClusterError, CollectiveTimeout, RankTimeout
 from shardlab.cluster.engines import Health
 
-pytestmark = pytest.mark.xdist_group("test_cluster")  # one process under pytest-xdist: one cluster for the module
-
 _cells = itertools.count()
 TIMEOUT = slowdown(4.0)  # seconds a collective may wait: short, so that the timeout tests are quick
 

@@ -55,8 +55,6 @@ from shardlab import models  # noqa: E402
 from shardlab.engine import comm  # noqa: E402
 from shardlab.instruments import memory_math as mm  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("test_fake_cuda")  # one process under pytest-xdist: its fake-GPU runs are cached for the module
-
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "equal", "nonzero"}
 # Where a start-up sync is expected, and why (file of the engine that reads a value).
 STARTUP_ALLOWED = {

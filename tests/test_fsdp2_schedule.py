@@ -30,8 +30,6 @@ from shardlab.instruments.schedule import (
 )
 from shardlab.launch import run_ranks
 
-pytestmark = pytest.mark.xdist_group("test_fsdp2_schedule")  # one process under pytest-xdist: its module fixture records both schedules once per world size
-
 BLOCKS = ("blocks.0", "blocks.1")
 
 

@@ -43,18 +43,12 @@ def results_of(lab: str) -> dict:
     return _RESULTS[lab]
 
 
-def same_process(lab: str) -> pytest.MarkDecorator:
-    """Under pytest-xdist (``make test``), a lab's tests share one process, which computes its
-    verdicts once (``results_of``)."""
-    return pytest.mark.xdist_group(f"labs_checks-{lab}")
-
-
-def cases(kind: str) -> list:
+def cases(kind: str) -> list[tuple[str, str]]:
     """(lab, case) for every case of ``kind`` (``WRONG``, ``CORRECT``, ``ON_THREE``), lab by lab."""
-    return [pytest.param(lab, case, marks=same_process(lab)) for lab, (_, m) in LABS.items() for case in getattr(m, kind)]
+    return [(lab, case) for lab, (_, m) in LABS.items() for case in getattr(m, kind)]
 
 
-TASKS = [pytest.param(lab, t.id, marks=same_process(lab)) for lab in LABS for t in lab_tasks(lab)]
+TASKS = [(lab, t.id) for lab in LABS for t in lab_tasks(lab)]
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
@@ -93,13 +87,11 @@ def test_every_task_has_four_wrong_solutions(lab):
 
 
 # -- what each lab's solution verdict reports ---------------------------------------------------
-@same_process("lab1")
 def test_lab1_solution_reports_the_bytes_it_sent():
     message = results_of("lab1")["solution lab1.all_reduce_mean", 4].message
     assert "one reduce-scatter and one all-gather, 96 B per rank by the ring formula" in message, message
 
 
-@same_process("lab2")
 def test_lab2_solution_shards_the_optimizer_state_by_n():
     for ws in WORLD_SIZES:
         message = results_of("lab2")["solution lab2.shard_optimizer", ws].message
@@ -107,14 +99,12 @@ def test_lab2_solution_shards_the_optimizer_state_by_n():
         assert per_rank * ws == stage0 > 0, message
 
 
-@same_process("lab3")
 def test_lab3_solution_measures_a_lower_gradient_peak():
     message = results_of("lab3")["solution lab3.when_ready", 4].message
     peak, every = re.search(r"peaked at ([\d,]+) bytes vs ([\d,]+)", message).groups()
     assert int(peak.replace(",", "")) < int(every.replace(",", "")), message
 
 
-@same_process("lab4")
 def test_lab4_solution_follows_the_whole_cycle_and_rests_on_shards():
     message = results_of("lab4")["solution lab4.prepare_backward", 4].message
     assert "gather -> forward -> free -> gather -> backward -> reduce_scatter -> free" in message, message
@@ -123,13 +113,11 @@ def test_lab4_solution_follows_the_whole_cycle_and_rests_on_shards():
     assert "backward -> free -> reduce_scatter (free before reduce_scatter: FSDP2's order)" in fsdp2, fsdp2
 
 
-@same_process("lab5")
 def test_lab5_solution_overlaps_gathers_with_compute():
     message = results_of("lab5")["solution lab5.prefetch_next", 4].message
     assert "gathers were in flight while a unit computed" in message and "at most 2 units" in message, message
 
 
-@same_process("lab6")
 def test_lab6_solution_reruns_the_fix_and_reports_the_symptom_gone():
     for ws in WORLD_SIZES:
         a = results_of("lab6")["solution lab6.case_a", ws].message

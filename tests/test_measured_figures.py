@@ -15,8 +15,6 @@ from shardlab.bench import figures
 from shardlab.bench import measured_figures as mf
 from shardlab.instruments import plots, time_plots
 
-pytestmark = pytest.mark.xdist_group("test_measured_figures")  # one process under pytest-xdist: its module fixture measures once
-
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 NAMES = ("timeline_prefetch", "timeline_no_prefetch", "memory_over_time")
 

@@ -14,10 +14,6 @@ import shardlab
 from shardlab.instruments import memory_math as mm
 from shardlab.models import batch, gpt, lm_loss
 
-# One process under pytest-xdist for the three modules that read instrument_workers.measured(),
-# which runs each world size once per process.
-pytestmark = pytest.mark.xdist_group("instrument_workers.measured")
-
 WORLD_SIZES = (2, 3, 4)
 STEP_COUNTER = 4  # AdamW keeps one fp32 scalar ``step`` per tensor it steps: one per parameter here
 

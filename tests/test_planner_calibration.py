@@ -16,8 +16,6 @@ from support import slowdown
 
 from shardlab.bench import planner_calibrate as C
 
-pytestmark = pytest.mark.xdist_group("test_planner_calibration")  # one process under pytest-xdist: its module fixture calibrates once
-
 
 @pytest.fixture(scope="module")
 def result():

@@ -28,7 +28,7 @@ import nbformat
 import pytest
 from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_or_skip
 
-pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("test_site")]  # one process under xdist: one chromium on the built site for the module
+pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("SHARDLAB_SITE_DIR", ROOT / "_build" / "html"))

@@ -18,8 +18,6 @@ from support import slowdown
 
 from shardlab.bench import slow_link
 
-pytestmark = pytest.mark.xdist_group("test_slow_link")  # one process under pytest-xdist: its module fixture runs the slow-link command once
-
 SLOW = "0.01:0"  # 10 Mbit/s: ~0.1 s a step for the tiny GPT, ~10x its compute
 
 

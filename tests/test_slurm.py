@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKSHOP = ROOT / "workshop"
 SMALL = ["--cpus-per-task=1", "--mem=1G", "--time=00:10:00"]  # several jobs share the 2-core node
 
-pytestmark = [pytest.mark.timeout(slowdown(600)), pytest.mark.xdist_group("test_slurm")]  # one process under xdist: one SLURM node: its jobs run one module at a time
+pytestmark = pytest.mark.timeout(slowdown(600))
 
 
 @pytest.fixture(scope="module", autouse=True)

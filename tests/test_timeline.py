@@ -8,10 +8,6 @@ from instrument_workers import measured
 import shardlab
 from shardlab.engine import events
 
-# One process under pytest-xdist for the three modules that read instrument_workers.measured(),
-# which runs each world size once per process.
-pytestmark = pytest.mark.xdist_group("instrument_workers.measured")
-
 CYCLE = ["all_gather", "forward", "free", "all_gather", "backward", "reduce_scatter", "free"]
 
 

@@ -14,10 +14,6 @@ import shardlab
 from shardlab.engine import events
 from shardlab.instruments.traffic import Ledger, ring_bytes, volume
 
-# One process under pytest-xdist for the three modules that read instrument_workers.measured(),
-# which runs each world size once per process.
-pytestmark = pytest.mark.xdist_group("instrument_workers.measured")
-
 WORLD_SIZES = (2, 3, 4)
 
 

@@ -24,8 +24,6 @@ from shardlab.instruments import wire
 from shardlab.instruments.traffic import KINDS, Ledger, ring_bytes, volume
 from shardlab.launch import run_ranks
 
-pytestmark = pytest.mark.xdist_group("test_wire")  # one process under pytest-xdist: its measurements are cached for the module
-
 WORLD_SIZES = (2, 3, 4)
 MIB = 2**20
 linux_only = pytest.mark.skipif(wire.unavailable_reason() is not None, reason="no per-thread I/O counters here")
