@@ -225,10 +225,6 @@ class Engine:
             self._in_flight.append(self.reduce_grads(unit))
             self._finish_reductions(keep=keep)
 
-    def reductions_in_flight(self) -> list[tuple[FlatUnit, list[torch.Tensor]]]:
-        """Each pending reduction's unit and the gradient buffers it holds until it lands."""
-        return [(r.unit, [r.grad, *r.pending.buffers]) for r in self._in_flight]
-
     def _finish_reductions(self, keep: int = 0) -> None:
         """Wait for the oldest reductions until ``keep`` remain in flight, and keep their result."""
         while len(self._in_flight) > keep:
