@@ -77,7 +77,7 @@ def measure_stage(stage: int, *, prefetch: bool = True, checkpointing: bool = Fa
     model, opt = shardlab.parallelize(model, stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3,
                                       prefetch=prefetch)
     engine = shardlab.engine_of(model)
-    _step(model, opt, 0, rank, world_size)  # warm-up: optimizer state exists, forward order known
+    _step(model, opt, 0, rank, world_size)  # warm-up: optimizer state exists
     opt.zero_grad()
     with shardlab.trace() as tr, shardlab.count_comm() as ledger:
         with shardlab.track_memory(model, opt) as mem, count_process_group_calls() as pg_calls:
