@@ -58,7 +58,7 @@ def schedules(n_layer=2):
     """One step of ShardLab stage 3 and of ``fully_shard``, each recorded at the dispatcher.
 
     Both train the tiny GPT from the same weights on this rank's slice of the same batch, after
-    one unrecorded step (Adam's state exists; stage 3 knows its unit order). A third model is
+    one unrecorded step (Adam's state exists). A third model is
     ``fully_shard(..., reshard_after_forward=True)`` said explicitly, which reshards the root too.
     Returns the schedules, each unit's parameter shapes, and fully_shard's DTensor shards.
     """

@@ -45,7 +45,7 @@ def _record(size: str, per_rank: int) -> dict:
             opt.step()
             opt.zero_grad()
 
-        for i in range(2):  # warm-up: optimizer state exists, the forward order is recorded
+        for i in range(2):  # warm-up: optimizer state exists
             step(i)
         with trace() as tr:
             step(2)

@@ -83,8 +83,9 @@ class Engine:
     #: backward of the units before it (then its full gradients can be dropped). ZeRO-1 waits
     #: for the whole backward instead, holding every full gradient until then.
     reduce_as_ready = True
-    #: Reductions allowed in flight at once. Waiting for the oldest one frees its full gradient
-    #: buffer, so at most this many units' full gradients are alive during backward.
+    #: Reductions left in flight after each issue. A new reduction is issued first, then the
+    #: oldest are waited for (which frees their full gradient buffers) until this many remain:
+    #: so as one is issued, this many plus one units' packed full gradients are alive (three).
     max_reductions_in_flight = 2
 
     def __init__(self, model: nn.Module, *, units=None, param_dtype=None, reduce_dtype=None):
@@ -209,8 +210,8 @@ class Engine:
             self.issue_reductions()
 
     def issue_reductions(self, due=lambda unit: False, keep: int | None = None) -> None:
-        """Start, in the fixed order, each reduction whose unit is ready (or ``due(unit)``),
-        keeping at most ``keep`` in flight (default ``max_reductions_in_flight``).
+        """Start, in the fixed order, each reduction whose unit is ready (or ``due(unit)``);
+        after each, wait for the oldest until ``keep`` remain (default ``max_reductions_in_flight``).
 
         ``due(unit)`` says a unit's missing gradients will not come on this rank: it reduces
         ``-0.0`` for them. Only when ``sync``: inside ``no_sync`` gradients stay local.
@@ -224,10 +225,6 @@ class Engine:
             self._next_reduction += 1
             self._in_flight.append(self.reduce_grads(unit))
             self._finish_reductions(keep=keep)
-
-    def reductions_in_flight(self) -> list[tuple[FlatUnit, list[torch.Tensor]]]:
-        """Each pending reduction's unit and the gradient buffers it holds until it lands."""
-        return [(r.unit, [r.grad, *r.pending.buffers]) for r in self._in_flight]
 
     def _finish_reductions(self, keep: int = 0) -> None:
         """Wait for the oldest reductions until ``keep`` remain in flight, and keep their result."""

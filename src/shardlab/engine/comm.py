@@ -12,6 +12,9 @@ silently wrong on gloo in several torch releases. Each call emits an ``events.CO
 issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and ``events.COMM_DONE``
 when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
 :mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
+From its issue until it lands, a collective is listed by :func:`in_flight` with the buffers it
+reads and writes, so that :mod:`shardlab.instruments.memory` counts them at every event between,
+the two events of the collective itself included.
 
 The rest of the package lines its ranks up through here too (``barrier``, ``all_reduce_max``,
 ``gather_lists``): bookkeeping, not training traffic, so those emit no event. No module outside
@@ -20,7 +23,9 @@ this one calls a ``torch.distributed`` collective (``tests/test_layout_rules.py`
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -33,33 +38,55 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class Pending:
-    """An issued collective. ``wait()`` blocks until its result is in place (once)."""
+    """An issued collective. ``wait()`` blocks until its result is in place (once).
 
-    def __init__(self, work, event: dict | None, keep_alive=()):
-        self._work = work
-        self._event = event
-        self._keep_alive = keep_alive  # buffers that must outlive the async op
+    It holds the buffers it reads and writes (``buffers``) until it has landed: gloo and NCCL
+    read them after an async call returns. It is listed by :func:`in_flight` from *before* its
+    ``COMM`` event until *after* its ``COMM_DONE`` event: a memory sample taken at either event
+    sees the buffers, which are allocated then. (Registered any later, the sample at a
+    reduce-scatter's own issue would miss the gradient buffer just packed for it, which the
+    engine has not yet queued.)
+    """
+
+    def __init__(self, kind: str, unit, buffers: tuple):
+        self.kind, self.unit = kind, unit
+        self._buffers = buffers
+        self._work = None
+        self._event: dict | None = None
+        self._number = next(_issued)
+        _live[self._number] = self  # weakly: a Pending nobody holds leaves the list by itself
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self._keep_alive = ()
         if self._event is not None:
             event, self._event = self._event, None
             event["end"] = time.perf_counter()
             events.emit(events.COMM_DONE, **event)
+        self._buffers = ()  # landed and announced: the caller keeps what it still needs
+        _live.pop(self._number, None)
 
     @property
     def buffers(self) -> tuple:
-        """The buffers this collective keeps alive until ``wait()`` (memory instruments count them)."""
-        return self._keep_alive
+        """The buffers this collective reads or writes, until it has landed (then empty)."""
+        return self._buffers
 
 
-def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pending:
-    event = None
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # issue number -> Pending
+_issued = itertools.count()
+
+
+def in_flight() -> list[Pending]:
+    """The collectives issued and not yet landed on this rank, oldest first (each with
+    ``kind``, ``unit`` and ``buffers``). Memory instruments count their buffers."""
+    return [p for _, p in sorted(_live.items())]
+
+
+def _issue(kind, fn, out, inp, *, unit, async_op, **kw) -> Pending:
+    pending = Pending(kind, unit, tuple(t for t in (out, inp) if t is not None))
     if events.active():
-        event = dict(
+        pending._event = dict(
             kind=kind,
             numel=(inp if kind == "reduce_scatter" else out).numel(),  # the full buffer
             dtype=out.dtype,
@@ -69,25 +96,23 @@ def _issue(kind, fn, out, inp, *, unit, async_op, keep_alive=(), **kw) -> Pendin
             start=time.perf_counter(),
             phase=events.phase,
         )
-        events.emit(events.COMM, **event)
-    work = fn(*(t for t in (out, inp) if t is not None), async_op=async_op, **kw)
-    pending = Pending(work if async_op else None, event, keep_alive)
-    if not async_op:
+        events.emit(events.COMM, **pending._event)
+    work = fn(*pending.buffers, async_op=async_op, **kw)
+    if async_op:
+        pending._work = work
+    else:
         pending.wait()
     return pending
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, *, unit=None, async_op=False) -> Pending:
     """Fill ``full`` (N x len(shard) elements) with every rank's ``shard``, in rank order."""
-    return _issue("all_gather", _all_gather, full, shard, unit=unit, async_op=async_op, keep_alive=(shard,))
+    return _issue("all_gather", _all_gather, full, shard, unit=unit, async_op=async_op)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, *, unit=None, async_op=False) -> Pending:
     """Put into ``shard`` this rank's slice of the SUM over ranks of ``full``. Caller divides."""
-    return _issue(
-        "reduce_scatter", _reduce_scatter, shard, full, unit=unit, async_op=async_op,
-        keep_alive=(full,), op=dist.ReduceOp.SUM,
-    )
+    return _issue("reduce_scatter", _reduce_scatter, shard, full, unit=unit, async_op=async_op, op=dist.ReduceOp.SUM)
 
 
 def all_reduce(tensor: torch.Tensor, *, unit=None, async_op=False) -> Pending:

@@ -8,6 +8,10 @@ count what the tensors actually hold, so the two can be set side by side:
 * :func:`saved_activations` - the bytes autograd keeps for backward, which no ZeRO stage
   shrinks (activation checkpointing does: :func:`shardlab.engine.units.checkpoint_units`).
 
+A collective in flight counts with its unit: a reduction's buffers (the packed full gradient
+and the shard it lands in) as ``grads``, a gather's as the unit's weights, from the collective's
+own ``COMM`` event to its ``COMM_DONE`` (:func:`shardlab.engine.comm.in_flight`).
+
 Counting rule: each *storage* counts once (``untyped_storage().nbytes()``, keyed by data
 pointer), so the parameters of a unit, views of one flat buffer, count as that buffer. Padding
 (at most N-1 elements per unit) is allocated, so it is inside the bytes; ``report["padding"]``
@@ -28,9 +32,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from shardlab.engine import events
+from shardlab.engine import comm, events
 from shardlab.engine.api import ShardedModule, engine_of
-from shardlab.engine.comm import gather_lists
 from shardlab.instruments.measured import Measured
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "frozen", "buffers")
@@ -93,9 +96,15 @@ def _tally(model: nn.Module, optimizer=None, include_constant: bool = True) -> _
             tally.add("grads", unit.master.grad, unit)
             for p in unit.params:
                 tally.add("grads", p.grad, unit)
-        for unit, buffers in engine.reductions_in_flight():
-            for t in buffers:
-                tally.add("grads", t, unit)
+        by_name = {unit.name: unit for unit in engine.units}
+        for collective in comm.in_flight():  # from its COMM event to its COMM_DONE, both included
+            unit = by_name.get(collective.unit)
+            if unit is None:
+                continue  # not a unit's collective: a loss, a gradient norm, a model check
+            weights = "gathered" if engine.shards_params else "params"
+            category = "grads" if collective.kind in ("reduce_scatter", "all_reduce") else weights
+            for t in collective.buffers:  # a gathered unit's ``full`` is counted above already
+                tally.add(category, t, unit)
     else:
         for p in model.parameters():
             if p.requires_grad:
@@ -251,7 +260,7 @@ class MemoryTrack:
 
     def gather(self) -> list[dict]:
         """Every rank's samples, on every rank (a collective: call it on all ranks)."""
-        return gather_lists(self.samples)
+        return comm.gather_lists(self.samples)
 
 
 @contextmanager
