@@ -160,18 +160,21 @@ def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
             signal.signal(signal.SIGALRM, previous)
 
 
-def _in_a_hook(exc: BaseException) -> bool:
-    """Raised while autograd's engine ran backward: by a hook, since the check's own code holds none
-    that raise. The frames after ``_engine_run_backward`` (if any) are the hook's."""
-    return any(f.name == "_engine_run_backward" for f in traceback.extract_tb(exc.__traceback__))
+def _in_backward(exc: BaseException) -> list | None:
+    """The frames run by autograd's engine (after ``_engine_run_backward``: hooks) if the error was
+    raised while the check ran backward; None if it was not."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    starts = [i for i, f in enumerate(frames) if f.name == "_engine_run_backward"]
+    return frames[starts[-1] + 1:] if starts else None
 
 
 HOOK = "{kind}: {first}, raised while backward ran a hook you registered"
 
 
-def _told_in_a_hook(exc: BaseException, first: str) -> dict:
-    """An error in a hook the learner registered, where no line of the learner's code is on the
-    stack: autograd called the hook with the wrong arguments, or the "hook" was not a function."""
+def _told_in_backward(exc: BaseException, first: str, hook_frames: list) -> dict:
+    """An error raised during backward, where no line of the learner's code is on the stack:
+    autograd called a learner's hook with the wrong arguments, the "hook" was not a function, a
+    backward hook returned something, or backward itself failed on the graph the learner built."""
     text = HOOK.format(kind=type(exc).__name__, first=first)
     if isinstance(exc, TypeError) and "not callable" in first:
         return {"status": "error", "mistake": "hook_not_callable", "message": f"{text}: it was not a function. "
@@ -183,9 +186,12 @@ def _told_in_a_hook(exc: BaseException, first: str) -> dict:
                 "tensor's register_hook. Give your hook that parameter, even if it does not use it"}
     if "hook returned" in first:
         return {"status": "error", "mistake": "hook_returned", "message": f"{text}: what a backward hook returns "
-                "replaces the gradient, and a lambda returns the value of its expression (a tuple, here). "
-                "Return nothing: write the hook as a def whose lines only act"}
-    return {"status": "error", "message": f"{text} (autograd called it, so no line of yours is on the stack)"}
+                "replaces the gradient, and a lambda returns the value of its expression (a tuple, when it "
+                "lists several calls). Return nothing: write the hook as a def whose lines only act"}
+    if hook_frames:
+        return {"status": "error", "message": f"{text} (autograd called it, so no line of yours is on the stack)"}
+    return {"status": "error", "message": f"{type(exc).__name__}: {first}, raised while the check ran backward "
+            "through what your function built"}
 
 
 def _told(exc: BaseException, files: set[str], limit: float) -> dict:
@@ -202,7 +208,8 @@ def _told(exc: BaseException, files: set[str], limit: float) -> dict:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if where:
         return {"status": "error", "message": f"your function raised {type(exc).__name__}: {first}{where}"}
-    if _in_a_hook(exc):
-        return _told_in_a_hook(exc, first)
+    hook_frames = _in_backward(exc)
+    if hook_frames is not None:
+        return _told_in_backward(exc, first, hook_frames)
     return {"status": "error", "message": f"{type(exc).__name__} in the check, on what your "
             f"function returned: {first}. Does it return what its docstring asks for?"}

@@ -69,6 +69,10 @@ class Collectives(Recorder):
             if n != 4 and numel_of(full) == 4 * numel_of(part):
                 raise Hint(f"your {kind.replace('_', '-')} got a buffer of 4 x shard elements on {n} ranks: "
                            "size it with world_size, not a fixed 4", mistake="hard_coded_world_size", broken=True)
+            if kind == "all_gather":  # the shards are what they are: the buffer is what was sized
+                raise Hint(f"your all-gather got buffers that do not fit: {got}. {rule}: size full as "
+                           f"world_size x shard.numel() = {n * numel_of(part)} elements (the padded length; "
+                           "drop the padding after the gather)", mistake="collective_sizes", broken=True)
             raise Hint(SIZES.format(kind=kind.replace("_", "-"), got=got, rule=rule),
                        mistake="collective_sizes", broken=True)
 
