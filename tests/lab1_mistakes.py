@@ -54,6 +54,10 @@ def split_padded_to_four(flat, world_size):
     return list(_pad(flat, 4).chunk(world_size))
 
 
+def split_pads_by_the_remainder(flat, world_size):  # numel % N zeros, not (-numel) % N: right for 10 on 4 only
+    return list(torch.nn.functional.pad(flat, (0, flat.numel() % world_size)).chunk(world_size))
+
+
 # -- gather_full --------------------------------------------------------------------------------
 def gather_keeps_padding(shard, numel, world_size):
     full = torch.empty(world_size * shard.numel())
@@ -101,6 +105,12 @@ def gather_buffer_rounded_up(shard, numel, world_size):  # sized from numel, not
     full = torch.empty(numel + 1)
     comm.all_gather(full, shard)
     return full[:numel]
+
+
+def gather_drops_a_fixed_pad(shard, numel, world_size):  # N - numel % N: drops N real elements when it divides
+    full = torch.empty(world_size * shard.numel())
+    comm.all_gather(full, shard)
+    return full[:full.numel() - (world_size - numel % world_size)]
 
 
 def gather_with_torch_list(shard, numel, world_size):  # correct: torch.distributed's list form
@@ -160,6 +170,12 @@ def mean_returns_the_full_buffer(grad, world_size):
     total = grad.clone()
     comm.all_reduce(total)
     return total / world_size
+
+
+def mean_all_reduces_its_own_chunk(grad, world_size):  # each rank passes a different slice
+    mine = grad.chunk(world_size)[dist.get_rank()].clone()
+    all_reduce(mine)
+    return mine / world_size
 
 
 # -- all_reduce_mean ----------------------------------------------------------------------------
@@ -235,13 +251,17 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padded to a multiple of 4": (PAD, split_padded_to_four, "hard_coded_world_size", "multiple of 4, not of world_size"),
     "padded, never split": (PAD, split_padded_never_split, "not_a_list", "split it into"),
     "split by size, not count": (PAD, split_by_size_not_count, "size_not_count", "take a chunk size k, not a shard count"),
+    "padded by the remainder": (PAD, split_pads_by_the_remainder, "wrong_pad_count", "you padded 10 elements to 11"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
     "gather arguments swapped": (GATHER, gather_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "gather forgets the collective": (GATHER, gather_forgot_the_collective, "no_all_gather", "you returned one shard"),
-    "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes", "do not fit"),
+    "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes",
+                                       "size full as world_size x shard.numel()"),
     "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
+    "gather drops N when it divides": (GATHER, gather_drops_a_fixed_pad, "dropped_real_elements",
+                                       "there is no padding"),
     "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: the collective SUMs over"),
     "mean arguments swapped": (MEAN, mean_arguments_swapped, "swapped_arguments", "arguments look swapped"),
     "mean divided twice": (MEAN, mean_divided_twice, "divided_twice", "too small: did you divide twice?"),
@@ -250,6 +270,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "mean of its own gradient": (MEAN, mean_own_gradient_only, "no_reduce", "only this rank's own gradient"),
     "mean shard buffer one too long": (MEAN, mean_shard_one_too_long, "collective_sizes", "do not fit"),
     "mean returns the full buffer": (MEAN, mean_returns_the_full_buffer, "full_size", "full-size gradient"),
+    "mean all-reduces its own chunk": (MEAN, mean_all_reduces_its_own_chunk, "all_reduced_a_slice",
+                                       "a different slice on each rank"),
     "all-reduce via comm.all_reduce": (ALL, all_reduce_with_comm_all_reduce, "all_reduce_instead", "you called all-reduce"),
     "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),
     "all-reduce reduces its own shard": (ALL, all_reduce_reduces_its_own_shard, "reduced_a_shard",

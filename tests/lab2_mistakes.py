@@ -151,6 +151,18 @@ def step_divided_by_four(flat, grad, master, optimizer, world_size):
     comm.all_gather(flat, master.detach())
 
 
+def step_forgets_the_step(flat, grad, master, optimizer, world_size):  # no optimizer.step()
+    master.grad = _mean_shard(grad, master, world_size)
+    comm.all_gather(flat, master.detach())
+
+
+def step_gathers_flats_own_shard(flat, grad, master, optimizer, world_size):  # "master is a view of flat": not here
+    master.grad = _mean_shard(grad, master, world_size)
+    optimizer.step()
+    rank, s = dist.get_rank(), master.numel()
+    comm.all_gather(flat, flat[rank * s:(rank + 1) * s].clone())
+
+
 def step_with_torch_directly(flat, grad, master, optimizer, world_size):  # correct: torch.distributed
     shard = torch.empty_like(master)
     dist.reduce_scatter_tensor(shard, grad)
@@ -173,6 +185,9 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
                                        "Gather in place"),
     "step gathers before the step": (STEP, step_gathers_before_the_step, "gathered_before_step",
                                      "you all-gathered before optimizer.step()"),
+    "step never calls optimizer.step()": (STEP, step_forgets_the_step, "no_step", "never called optimizer.step()"),
+    "step gathers flat's own shard": (STEP, step_gathers_flats_own_shard, "gathered_stale_shard",
+                                      "flat's own shard still holds the old weights"),
     "step adds to master.grad": (STEP, step_adds_to_master_grad, "grad_not_cleared", "you added to master.grad"),
     "step copies only its own shard": (STEP, step_copies_only_its_own_shard, "drift", "drift apart"),
     "step not divided": (STEP, step_not_divided, "not_divided", "too large: the collective SUMs over"),

@@ -167,6 +167,48 @@ def when_ready_every_hook(params, on_ready):
         p.register_post_accumulate_grad_hook(lambda p: on_ready())
 
 
+_left = [0]  # one count for every unit: set by each when_ready call, shared by all their hooks
+
+
+def when_ready_one_count_for_every_unit(params, on_ready):
+    _left[0] = len(params)
+
+    def hook(p):
+        _left[0] -= 1
+        if _left[0] == 0:
+            _left[0] = len(params)
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def when_ready_counts_six(params, on_ready):  # "a block has 6": a fixed count, not len(params)
+    left = [6]
+
+    def hook(p):
+        left[0] -= 1
+        if left[0] == 0:
+            left[0] = 6
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def when_ready_hook_takes_no_argument(params, on_ready):  # autograd calls hook(p)
+    left = [len(params)]
+
+    def hook():
+        left[0] -= 1
+        if left[0] == 0:
+            left[0] = len(params)
+            on_ready()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def when_ready_counts_down_from_a_set(params, on_ready):  # correct: a set of those still to come
     waiting = set()
 
@@ -200,6 +242,11 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
                             "though you hooked all 6 parameters: your count is off by one"),
     "countdown not re-armed": (READY, when_ready_not_rearmed, "not_rearmed", "never ran for blocks.0 in the second backward"),
     "counts up, never reset": (READY, when_ready_counts_up_never_reset, "not_rearmed", "did not start again"),
+    "one count shared by every unit": (READY, when_ready_one_count_for_every_unit, "count_not_per_unit",
+                                       "each unit needs its own count"),
+    "a fixed count of 6": (READY, when_ready_counts_six, "count_not_per_unit", "each unit needs its own count"),
+    "a hook that takes no argument": (READY, when_ready_hook_takes_no_argument, "hook_arguments",
+                                      "raised while backward ran a hook you registered"),
     "tensor hook instead of post-accumulate": (READY, when_ready_tensor_hook, "tensor_hook", "register_post_accumulate_grad_hook"),
     "torch's multi-grad hook": (READY, when_ready_multi_grad_hook, "tensor_hook", "register_multi_grad_hook, which is built"),
     "on_ready at every hook": (READY, when_ready_every_hook, "fires_every_hook", "after every gradient"),

@@ -69,6 +69,13 @@ def forward_gathers_twice(unit, x):  # correct, if redundant: a gathered unit's 
     return out
 
 
+def forward_gathers_async_positionally(unit, x):  # gather(True): async_op is keyword-only
+    unit.gather(True)
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
 # -- prepare_backward ---------------------------------------------------------------------------
 def prepare_backward_no_regather(unit, out):
     lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
@@ -115,6 +122,36 @@ def prepare_backward_permanent_hooks(unit, out):  # lab 3's re-armed countdown, 
         p.register_post_accumulate_grad_hook(hook)
 
 
+def prepare_backward_passes_the_result(unit, out):  # calls reduce_grads now: passes a tensor, not a function
+    out.register_hook(lambda grad: unit.gather())
+    lab4.on_grads_ready(unit, lab4.reduce_grads(unit))
+
+
+def prepare_backward_gathers_async(unit, out):  # starts the gather for backward, never waits for it
+    out.register_hook(lambda grad: unit.gather(async_op=True))
+    lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
+
+
+def prepare_backward_full_backward_hook(unit, out):  # fires when the input's gradient is ready
+    out.register_hook(lambda grad: unit.gather())
+
+    def after_backward(module, grad_input, grad_output):
+        lab4.reduce_grads(unit)
+        unit.free()
+
+    unit.module.register_full_backward_hook(after_backward)
+
+
+def prepare_backward_hook_returns_a_tuple(unit, out):  # a lambda returns its tuple: it replaces the gradient
+    out.register_hook(lambda grad: unit.gather())
+    unit.module.register_full_backward_hook(lambda module, grad_in, grad_out: (lab4.reduce_grads(unit), unit.free()))
+
+
+def prepare_backward_multi_grad_hook(unit, out):  # tensor hooks inside: before the last p.grad is stored
+    out.register_hook(lambda grad: unit.gather())
+    torch.autograd.graph.register_multi_grad_hook(unit.params, lambda grads: (lab4.reduce_grads(unit), unit.free()))
+
+
 def prepare_backward_free_then_reduce(unit, out):  # correct: PyTorch FSDP2's order
     out.register_hook(lambda grad: unit.gather())
     lab4.on_grads_ready(unit, lambda: (unit.free(), lab4.reduce_grads(unit)))
@@ -132,10 +169,22 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
                                       "still in flight"),
     "forward under no_grad": (FORWARD, forward_under_no_grad, "no_graph", "no autograd graph"),
     "forward returns a detached output": (FORWARD, forward_returns_detached, "no_graph", "no autograd graph"),
+    "gather(True) in forward": (FORWARD, forward_gathers_async_positionally, "positional_async",
+                                "async_op by keyword"),
     "not re-gathered for backward": (BACKWARD, prepare_backward_no_regather, "backward_on_freed",
                                      "blocks.3's backward ran on freed weights"),
     "freed before its backward finished": (BACKWARD, prepare_backward_frees_at_first_gradient, "freed_too_early",
                                            "was freed while 5 of its 6 gradients were still to come"),
+    "a full backward hook frees the unit": (BACKWARD, prepare_backward_full_backward_hook, "freed_too_early",
+                                            "a module's full backward hook runs when the gradient of its input"),
+    "a multi-grad hook frees the unit": (BACKWARD, prepare_backward_multi_grad_hook, "freed_too_early",
+                                         "register_multi_grad_hook runs before the last p.grad is stored"),
+    "a backward hook that returns a tuple": (BACKWARD, prepare_backward_hook_returns_a_tuple, "hook_returned",
+                                            "what a backward hook returns replaces the gradient"),
+    "passes reduce_grads' result as the function": (BACKWARD, prepare_backward_passes_the_result, "hook_not_callable",
+                                                    "raised while backward ran a hook you registered"),
+    "gathers for backward without waiting": (BACKWARD, prepare_backward_gathers_async, "used_in_flight",
+                                             "backward started while its gather was still in flight"),
     "the method itself as the hook": (BACKWARD, prepare_backward_method_as_hook, "method_as_hook",
                                       "Wrap it: out.register_hook(lambda grad: unit.gather())"),
     "never freed after backward": (BACKWARD, prepare_backward_never_frees, "not_freed_after_backward",

@@ -96,6 +96,25 @@ def forward_prefetch_first_two_then_next(units, x):  # correct: start 0 and 1, t
     return x
 
 
+def forward_prefetch_async_positionally(units, x):  # gather(True): async_op is keyword-only
+    for i, unit in enumerate(units):
+        unit.gather()
+        if i + 1 < len(units):
+            units[i + 1].gather(True)
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
+def forward_prefetch_past_the_end(units, x):  # no bound check: the last unit has no next one
+    for i, unit in enumerate(units):
+        unit.gather()
+        units[i + 1].gather(async_op=True)
+        x = unit.module(x)
+        unit.free()
+    return x
+
+
 # -- prefetch_next ------------------------------------------------------------------------------
 def prefetch_next_all_remaining(order, unit):
     for later in order[order.index(unit) + 1:]:
@@ -167,6 +186,10 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "forward under no_grad": (FORWARD, forward_prefetch_under_no_grad, "no_graph", "no autograd graph"),
     "frees a unit one iteration late": (FORWARD, forward_prefetch_frees_a_unit_late, "too_many",
                                         "3 units held their full weights"),
+    "gather(True) for the next unit": (FORWARD, forward_prefetch_async_positionally, "positional_async",
+                                       "async_op by keyword"),
+    "runs past the last unit (forward)": (FORWARD, forward_prefetch_past_the_end, "past_the_end",
+                                          "the last unit has no next one"),
     "prefetches every remaining unit": (NEXT, prefetch_next_all_remaining, "too_many",
                                         "4 units held their full weights at once; at most 2"),
     "waits for the prefetch at once (stage 3)": (NEXT, prefetch_next_waits, "waited_at_once",

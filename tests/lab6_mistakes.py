@@ -32,6 +32,10 @@ def a_invents_a_cause():
     return "communication_buffers", {"units": "blocks"}
 
 
+def a_returns_a_list():  # correct: the two things in a list, not a tuple
+    return ["unit_gathered_whole", {"units": "blocks"}]
+
+
 # -- case b: the same peak at 2 ranks and at 4 --------------------------------------------------
 def b_blames_the_unit():
     return "unit_gathered_whole", {"units": "blocks"}
@@ -47,6 +51,10 @@ def b_changes_the_stage():
 
 def b_changes_two_settings():
     return "activations", {"checkpointing": True, "batch_size": 8}
+
+
+def b_halves_the_batch():  # the activations halve, the rest stays: the peak stays above half
+    return "activations", {"batch_size": 16}
 
 
 def b_smaller_micro_batch():  # correct: a quarter of the batch per rank (accumulate to keep the global batch)
@@ -123,6 +131,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "b: blames the unit": (B, b_blames_the_unit, "wrong_cause", "the units are blocks here"),
     "b: blames the estimate": (B, b_blames_the_estimate, "wrong_cause", "do halve from 2 ranks to 4"),
     "b: changes the stage": (B, b_changes_the_stage, "symptom_remains", "against"),
+    "b: halves the batch": (B, b_halves_the_batch, "symptom_remains", "smaller, not yet half"),
     "b: changes two settings": (B, b_changes_two_settings, "not_one_setting", "change exactly one setting"),
     "c: blames the unit": (C, c_blames_the_unit, "wrong_cause", "18 units"),
     "c: blames activations": (C, c_blames_activations, "wrong_cause", "this is a time symptom"),
@@ -140,6 +149,7 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
 }
 ON_THREE: dict = {}
 CORRECT = {
+    "a: a list, not a tuple": (A, a_returns_a_list),
     "b: a smaller micro-batch": (B, b_smaller_micro_batch),
     "c: one unit for the model": (C, c_one_unit),
 }

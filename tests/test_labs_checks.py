@@ -128,3 +128,5 @@ def test_lab6_solution_reruns_the_fix_and_reports_the_symptom_gone():
         assert units <= ddp < before, c
         d = results_of("lab6")["solution lab6.case_d", ws].message
         assert f"= 4Ψ/{ws}" in d, d
+        whole = results_of("lab6")["c: one unit for the model", ws].message  # fast, and its memory price said
+        assert "no more link time than DDP. The price is memory" in whole and "gathered at once" in whole, whole

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support import SLOWDOWN, slowdown
 
 from shardlab.course.labs import tasks
@@ -74,6 +75,34 @@ def test_a_notebook_submission_keeps_its_definitions_not_its_cluster(tmp_path):
     script = notebook_to_script(path, tmp_path).read_text()
     assert "import torch" in script and "def f(x):" in script
     assert "start_cluster" not in script and "check(" not in script and "not_code" not in script
+
+
+def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names_its_lines(tmp_path):
+    """A correct notebook whose function uses a top-level name must not fail under check/grade with
+    a NameError; an error's line is the notebook's cell and line, not the generated script's."""
+    from shardlab.course.labs.judge import _where
+
+    nb = {"cells": [
+        {"cell_type": "code", "source": ["import torch\n", "cluster = start_cluster(4)\n", "pad = torch.nn.functional.pad\n"]},
+        {"cell_type": "markdown", "source": ["text"]},
+        {"cell_type": "code", "source": ["runs = cluster.run(len)\n", "left = [0]\n", "late = undefined_name + 1\n"]},
+        {"cell_type": "code", "source": ["x = 1\n", "def f(t):\n", "    left[0] += 1\n", "    return pad(t, (0, 1)).view(7)\n"]},
+    ]}
+    path = tmp_path / "learner.ipynb"
+    path.write_text(json.dumps(nb))
+    script = notebook_to_script(path, tmp_path)
+    text = script.read_text()
+    assert "pad = torch.nn.functional.pad" in text and "left = [0]" in text and "x = 1" in text
+    assert "start_cluster" not in text and "cluster.run" not in text and "undefined_name" not in text
+    namespace = {}
+    exec(compile(text, str(script), "exec"), namespace)
+    assert namespace["f"](torch.zeros(6)).shape == (7,) and namespace["left"] == [1]
+    try:
+        namespace["f"](torch.zeros(2))
+    except RuntimeError as exc:
+        assert _where(exc, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
+    else:
+        raise AssertionError("view(7) of 3 elements must raise")
 
 
 # ---- the command line: check and grade on fresh local ranks ----------------------------------

@@ -8,8 +8,8 @@
 
 ``check`` imports the task functions (named as in the lab) from the file and runs the lab's
 checks on fresh local ranks, on 4 ranks and then on 3 (padding; code that hard-codes 4 ranks
-fails there). A notebook submission is read for its imports and definitions only
-(cells that start ranks or call ``check`` are skipped). ``grade`` runs each submission in its
+fails there). A notebook submission is read for its imports, definitions and the top-level
+assignments they may use (cells that start ranks, run on them or call ``check`` are skipped). ``grade`` runs each submission in its
 own process group with a time limit, so one that hangs, crashes or deadlocks gets "timed out"
 rows and the others are graded anyway.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import csv
 import json
 import os
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from shardlab.course.labs.generate import generate
+from shardlab.course.labs.judge import CELL_MARK
 from shardlab.course.labs.runners import run_on_fresh_ranks
 from shardlab.course.labs.tasks import WORLD_SIZES, lab_tasks
 from shardlab.course.labs.verdicts import Result
@@ -37,23 +39,59 @@ from shardlab.course.labs.verdicts import Result
 STARTUP = 90.0
 
 
+#: What a kept top-level assignment may not call: these start ranks, run on them, or check.
+RANK_CALLS = frozenset({"start_cluster", "check", "run", "run_on_cluster", "stop"})
+
+
+def _names(node: ast.AST, ctx) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _kept_assignment(node: ast.stmt, defined: set[str]) -> bool:
+    """A top-level assignment that needs only what the script already defines and starts nothing:
+    ``pad = torch.nn.functional.pad`` or ``left = [0]`` are kept (a function may use them);
+    ``cluster = shardlab.start_cluster(4)`` or ``runs = cluster.run(...)`` are not."""
+    if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
+        return False
+    for sub in ast.walk(node.value):
+        if isinstance(sub, ast.Call):
+            name = getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)
+            if name in RANK_CALLS:
+                return False
+    bound = _names(node.value, ast.Store) | {a.arg for n in ast.walk(node.value) if isinstance(n, ast.Lambda)
+                                              for a in ast.walk(n.args) if isinstance(a, ast.arg)}
+    return _names(node, ast.Load) <= defined | bound | set(dir(builtins))
+
+
 def notebook_to_script(path: Path, folder: Path) -> Path:
-    """The imports, functions and classes of a notebook's code cells, as a plain .py file."""
+    """A notebook's code cells as a plain .py file: its imports, functions and classes, and the
+    top-level assignments they may use (:func:`_kept_assignment`). Cells that start ranks, run on
+    them (``%%ranks``) or call ``check`` are left out. Each piece is preceded by :data:`CELL_MARK`,
+    so that a hint can name the notebook's cell and line (``judge._where``)."""
     nb = json.loads(path.read_text())
-    kept = []
-    for cell in nb["cells"]:
-        source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+    kept, defined = [], set()
+    code_cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for number, cell in enumerate(code_cells, 1):
+        source = "".join(cell["source"])
         if source.lstrip().startswith("%%"):
             continue  # runs on the ranks (%%ranks) or is another cell magic
-        source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                           for line in source.splitlines())
+        lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
         try:
-            tree = ast.parse(source)
+            tree = ast.parse("\n".join(lines))
         except SyntaxError:
             continue
         for node in tree.body:
-            if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
-                kept.append(ast.get_source_segment(source, node))
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif _kept_assignment(node, defined):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            else:
+                continue
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            kept.append(CELL_MARK.format(cell=number, line=start) + "\n" + "\n".join(lines[start - 1:node.end_lineno]))
     script = folder / f"{path.stem}.py"
     script.write_text("\n\n".join(kept) + "\n")
     return script

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import linecache
 import os
+import re
 import signal
 import sys
 import traceback
@@ -61,14 +63,28 @@ def _resolve(source, fn_name: str):
     return fn
 
 
+#: The comment ``notebook_to_script`` puts before each piece of a notebook it keeps: the notebook's
+#: code cell and line the piece starts at, so that a hint names them, not the script's line.
+CELL_MARK = "# shardlab cell {cell} line {line}"
+_MARK = re.compile(r"# shardlab cell (\d+) line (\d+)")
+
+
 def _where(exc: BaseException, files: set[str]) -> str:
-    """' (line N of your cell)': the last line of the learner's code in the traceback."""
+    """' (line N of your cell)': the last line of the learner's code in the traceback. In a script
+    made from a notebook (``notebook_to_script``), the notebook's cell and line, from the marks."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename in files]
     if not frames:
         return ""
-    name = frames[-1].filename
-    place = "your cell" if "ipykernel" in name or name.startswith("<") else os.path.basename(name)
-    return f" (line {frames[-1].lineno} of {place})"
+    name, lineno = frames[-1].filename, frames[-1].lineno
+    if "ipykernel" in name or name.startswith("<"):
+        return f" (line {lineno} of your cell)"
+    for above in range(lineno - 1, 0, -1):  # the nearest mark above the line, if the script has marks
+        mark = _MARK.fullmatch(linecache.getline(name, above).strip())
+        if mark:
+            cell, first = map(int, mark.groups())
+            notebook = os.path.splitext(os.path.basename(name))[0] + ".ipynb"
+            return f" (line {first + lineno - above - 1} of code cell {cell} in {notebook})"
+    return f" (line {lineno} of {os.path.basename(name)})"
 
 
 #: torch's and gloo's words for a collective called with buffers of the wrong sizes.
@@ -144,6 +160,40 @@ def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
             signal.signal(signal.SIGALRM, previous)
 
 
+def _in_backward(exc: BaseException) -> list | None:
+    """The frames run by autograd's engine (after ``_engine_run_backward``: hooks) if the error was
+    raised while the check ran backward; None if it was not."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    starts = [i for i, f in enumerate(frames) if f.name == "_engine_run_backward"]
+    return frames[starts[-1] + 1:] if starts else None
+
+
+HOOK = "{kind}: {first}, raised while backward ran a hook you registered"
+
+
+def _told_in_backward(exc: BaseException, first: str, hook_frames: list) -> dict:
+    """An error raised during backward, where no line of the learner's code is on the stack:
+    autograd called a learner's hook with the wrong arguments, the "hook" was not a function, a
+    backward hook returned something, or backward itself failed on the graph the learner built."""
+    text = HOOK.format(kind=type(exc).__name__, first=first)
+    if isinstance(exc, TypeError) and "not callable" in first:
+        return {"status": "error", "mistake": "hook_not_callable", "message": f"{text}: it was not a function. "
+                "Passing f(x) calls f at once and hands over what it returned; to have backward call it "
+                "later, pass a function: lambda: f(x)"}
+    if isinstance(exc, TypeError) and "positional argument" in first:
+        return {"status": "error", "mistake": "hook_arguments", "message": f"{text}: autograd calls a hook "
+                "with one argument, hook(p) for register_post_accumulate_grad_hook and hook(grad) for a "
+                "tensor's register_hook. Give your hook that parameter, even if it does not use it"}
+    if "hook returned" in first:
+        return {"status": "error", "mistake": "hook_returned", "message": f"{text}: what a backward hook returns "
+                "replaces the gradient, and a lambda returns the value of its expression (a tuple, when it "
+                "lists several calls). Return nothing: write the hook as a def whose lines only act"}
+    if hook_frames:
+        return {"status": "error", "message": f"{text} (autograd called it, so no line of yours is on the stack)"}
+    return {"status": "error", "message": f"{type(exc).__name__}: {first}, raised while the check ran backward "
+            "through what your function built"}
+
+
 def _told(exc: BaseException, files: set[str], limit: float) -> dict:
     """A learner's exception (or torch's, on what the learner passed) in one line."""
     text = f"{type(exc).__name__}: {exc}"
@@ -158,5 +208,8 @@ def _told(exc: BaseException, files: set[str], limit: float) -> dict:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if where:
         return {"status": "error", "message": f"your function raised {type(exc).__name__}: {first}{where}"}
+    hook_frames = _in_backward(exc)
+    if hook_frames is not None:
+        return _told_in_backward(exc, first, hook_frames)
     return {"status": "error", "message": f"{type(exc).__name__} in the check, on what your "
             f"function returned: {first}. Does it return what its docstring asks for?"}

@@ -118,6 +118,11 @@ def check_pad_and_split(fn) -> str:
                        "chunk(world_size) takes the count of shards; split takes the size of each, "
                        "padded length // world_size", mistake="size_not_count" if by_size else "shard_count")
         if len(shards) != n or len(set(sizes)) > 1:
+            if numel % n and sum(sizes) > numel:  # padded, by a count that does not reach a multiple
+                raise Hint(f"you padded {numel} elements to {sum(sizes)}, which is not a multiple of {n}, so "
+                           f"the shards came out {sizes}: the count of zeros is the one that reaches the next "
+                           f"multiple of {n}", "(-numel) % world_size zeros (numel % world_size is what is over, "
+                           "not what is missing)", mistake="wrong_pad_count")
             if numel % n:
                 raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}, not {n} "
                            f"equal shards: pad with zeros up to a multiple of {n} first",
@@ -147,15 +152,26 @@ def check_pad_and_split(fn) -> str:
 
 @task("lab1.gather_full", fn_name="gather_full")
 def check_gather_full(fn) -> str:
+    """Two lengths: one padded (never a multiple of n) and one that divides, with no padding to drop."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    numel = 4 * n - 2 if n > 1 else 3  # never a multiple of n: padding to drop
-    full = torch.arange(1.0, numel + 1)
-    padded = _padded(full, n)
-    shard = padded.reshape(n, -1)[rank].clone()
-    with Collectives() as seen:
-        got = fn(shard.clone(), numel, n)
+    runs = []
+    for numel in (4 * n - 2 if n > 1 else 3, 4 * n):
+        full = torch.arange(1.0, numel + 1)
+        padded = _padded(full, n)
+        shard = padded.reshape(n, -1)[rank].clone()
+        with Collectives() as seen:  # every collective first (both lengths), then judge
+            got = fn(shard.clone(), numel, n)
+        runs.append((numel, full, padded, shard, got, seen))
+    for numel, full, padded, shard, got, seen in runs:
+        _judge_gather(numel, full, padded, shard, got, seen, n)
+    (padded_len, *_), (divides, *_) = runs
+    return (f"the full tensor rebuilt from {n} shards with one all-gather, on every rank: {padded_len} elements "
+            f"(padded to {runs[0][2].numel()}) and {divides} (no padding)")
+
+
+def _judge_gather(numel, full, padded, shard, got, seen, n) -> None:
     got = _expect_tensor(got, "gather_full's result").reshape(-1)
-    if got.numel() == padded.numel() and _same(got, padded):
+    if got.numel() == padded.numel() and _same(got, padded) and padded.numel() != numel:
         raise Hint(f"your tensor has {got.numel()} elements, not {numel}: drop the padding at the end",
                    "the gathered buffer ends with the padding: return only its first numel elements",
                    mistake="kept_padding")
@@ -169,13 +185,20 @@ def check_gather_full(fn) -> str:
                        f"{padded.numel() - numel} elements of the buffer, so your tensor lost its first ones",
                        "the gathered buffer ends with the padding: return only its first numel elements",
                        mistake="dropped_front")
+        if 0 < got.numel() < numel and _same(got, full[:got.numel()]):
+            pad = padded.numel() - numel
+            there = (f"{numel} divides by {n}, so there is no padding to drop" if not pad else
+                     f"the padding is only the last {pad}")
+            raise Hint(f"for {numel} elements on {n} ranks your tensor has {got.numel()}: you dropped "
+                       f"{numel - got.numel()} real elements, and {there}",
+                       "keep the first numel elements of the buffer: numel is given, the padding need not be "
+                       "computed", mistake="dropped_real_elements")
         if got.numel() in (numel, padded.numel()) and set(got.tolist()) <= set(padded.tolist()):  # distinct values
             raise Hint("the pieces are in the wrong order: all-gather already puts rank r's shard at "
                        "[r*S, (r+1)*S) of the buffer; keep that order, only drop the padding",
                        "no reshaping or transposing after the all-gather", mistake="wrong_order")
         raise Hint(f"expected {_show(full)}, got {_show(got)}", mistake="wrong_values")
     _collectives(seen, ["all_gather"], padded.numel(), n, "the task rebuilds the tensor with one all-gather")
-    return f"the full {numel}-element tensor rebuilt from {n} shards with one all-gather, on every rank"
 
 
 def _grads(rank: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +232,13 @@ def check_mean_grad_shard(fn) -> str:
                 raise Hint("this rank got another rank's shard of the mean: reduce-scatter hands rank r "
                            "the r-th shard of the sum; return that one", ONE_SHARD_EACH, mistake="wrong_shard")
     if not _same(got, want):
+        if "all_reduce" in seen.kinds():
+            raise Hint(f"you all-reduced, and this rank's values are wrong: an all-reduce adds up, element by "
+                       f"element, whatever each rank passes, so when you pass a different slice on each rank "
+                       f"(its own chunk) the slices of different ranks are summed together. Expected "
+                       f"{_show(want)}, got {_show(got)}",
+                       "the task reduce-scatters: every rank passes its whole gradient and gets back its shard "
+                       "of the sum", mistake="all_reduced_a_slice")
         raise Hint(f"expected this rank's mean gradient shard {_show(want)}, got {_show(got)}", mistake="wrong_values")
     _collectives(seen, ["reduce_scatter"], grad.numel(), n, "the task reduce-scatters")
     return f"each of {n} ranks holds its {shard_len}-element shard of the mean gradient, from one reduce-scatter"

@@ -152,8 +152,9 @@ GATHER = "after the step, only this rank's shard of flat is new: which collectiv
 
 
 class _Gathers(Collectives):
-    """Also notes the storage each all-gather fills, to tell a gather into ``flat`` that came before the
-    step (it fills flat with the old shards) from one into a tensor of its own."""
+    """Also notes the storage each all-gather fills, to tell a gather into ``flat`` from one into a tensor
+    of its own; and, in ``stream``, where ``optimizer.step()`` ran among the collectives (a "step" mark,
+    from the optimizer's step pre-hook), to tell a gather before the step from one of a stale shard after it."""
 
     def __init__(self):
         super().__init__()
@@ -173,6 +174,8 @@ def check_zero1_step(fn) -> str:
     own = slice(rank * s, (rank + 1) * s)
     master = torch.nn.Parameter(flat[own].clone())
     optimizer = _sgd([master])
+    watching: list[_Gathers] = []  # the current step's recorder: the hook marks where step() ran
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: watching[-1].mark("step", None))
     ref = torch.nn.Parameter(flat.clone())  # stage 0: the whole buffer, the mean gradient
     ref_optimizer = _sgd([ref])
     per_step = []
@@ -182,6 +185,7 @@ def check_zero1_step(fn) -> str:
         grad_before = None if master.grad is None else master.grad.detach().clone()
         mean = torch.stack([_grad(ref.detach(), r) for r in range(n)]).mean(0)
         with _Gathers() as seen:
+            watching.append(seen)
             fn(flat, _grad(flat, rank), master, optimizer, n)
         per_step.append(seen)
         ref.grad = mean
@@ -215,8 +219,13 @@ def _diagnose(flat, before, master, master_before, grad_before, ref, everyone, m
     s = flat.numel() // n
     own = slice(rank * s, (rank + 1) * s)
     moved = master.detach() - master_before
+    stepped = [i for i, (what, _) in enumerate(seen.stream) if what == "step"]
     if step == 1:  # SGD's first step moves by -LR x the gradient it was given: read it back
         stepped_with = -moved / LR
+        if not stepped:
+            return Hint("your zero1_step never called optimizer.step(): master did not move, so neither did the "
+                        "weights. After master.grad is set, the optimizer steps the shard",
+                        "which line updates master?", mistake="no_step")
         if not moved.any():
             return Hint("optimizer.step() did not move your master: master.grad was None or zero when it "
                         "ran. Set master.grad first; zero_grad() belongs after the step, or before you set it",
@@ -235,6 +244,13 @@ def _diagnose(flat, before, master, master_before, grad_before, ref, everyone, m
         return None
     kinds = seen.kinds()
     into_flat = flat.untyped_storage().data_ptr() in seen.filled
+    gathered_at = [i for i, (what, _) in enumerate(seen.stream) if what == "all_gather"]
+    if torch.equal(flat, before) and into_flat and moved.any() and stepped and gathered_at \
+            and gathered_at[0] > stepped[0]:
+        return Hint("you all-gathered after optimizer.step(), but flat's own shard still holds the old weights: "
+                    "the step updated master, and here master is a tensor of its own, not a view of flat (a "
+                    "master from your task 1 may be a view; the one this check passes is a copy). All-gather "
+                    "master itself", "which tensor did optimizer.step() change?", mistake="gathered_stale_shard")
     if torch.equal(flat, before) and "all_gather" in kinds and into_flat and moved.any():
         return Hint("you all-gathered before optimizer.step(): your master moved, but flat got the shards as "
                     "they were before the step, so the full weights did not change. The all-gather goes last",

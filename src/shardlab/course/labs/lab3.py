@@ -17,6 +17,7 @@ from shardlab.course.labs.scale import judge_scale
 from shardlab.course.labs.tasks import Hint, task
 from shardlab.course.labs.watch import Collectives, traffic
 from shardlab.engine import comm
+from shardlab.engine.flat import FlatUnit
 
 BACKWARDS = 3  # micro-batches: from the second backward on, re-arming (and double reduction) shows
 
@@ -103,16 +104,33 @@ def check_reduce_unit(fn) -> str:
             f"mean over {n} ranks, from one reduce-scatter, in memory of their own; the full gradient is freed")
 
 
-def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS) -> dict:
+def _uneven_units(model) -> list:
+    """blocks.0, blocks.1, and blocks.2 with blocks.3 as one unit of 12 parameters: units of different
+    sizes, where a count shared by every unit, or a fixed 6, no longer fires at the right moment."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    blocks = model.blocks
+    groups = {"blocks.0": [blocks[0]], "blocks.1": [blocks[1]], "blocks.2+3": [blocks[2], blocks[3]]}
+    return [FlatUnit(name, [p for b in group for p in b.parameters()], rank=rank, world_size=world_size)
+            for name, group in groups.items()]
+
+
+def _free_only(unit) -> torch.Tensor:
+    """A reduce with no collective, for the run on uneven units: it frees the full gradients, as
+    reduce_unit does, and returns a zero shard (that run only watches when on_ready fires)."""
+    unit.set_param_grads(None)
+    return torch.zeros(unit.shard_numel)
+
+
+def zero2_backward(when_ready, reduce, backwards: int = BACKWARDS, *, uneven: bool = False) -> dict:
     """Run ``backwards`` backward passes with ``when_ready`` calling ``reduce`` on each unit.
 
     Records, per backward and unit, how many of the unit's gradients were in at each call, the
     sum of the returned shards, and the peak bytes of full gradients alive (measured at every
-    gradient accumulation, each storage once).
+    gradient accumulation, each storage once). ``uneven``: the units are :func:`_uneven_units`.
     """
     rank = dist.get_rank()
     model = lab_model.make_model()
-    units = lab_model.flat_units(model, sharded=False)
+    units = _uneven_units(model) if uneven else lab_model.flat_units(model, sharded=False)
     params = [p for u in units for p in u.params]
     state = {"backward": 0, "peak": 0}
     got = {u.name: 0 for u in units}
@@ -168,6 +186,7 @@ def check_when_ready(fn) -> str:
     """Plug ``fn`` into a ZeRO-2 backward (with the reference reduce) and watch when it fires."""
     run = zero2_backward(fn, lab_model.reduce_grads)
     want = lab_model.reference_grad_shards(steps=BACKWARDS)  # every collective before any verdict
+    uneven = zero2_backward(fn, _free_only, backwards=2, uneven=True)  # no collective: units of 6, 6 and 12
     for b, per_unit in enumerate(run["calls"]):
         which = ("the first", "the second", "the third", "a later")[min(b, 3)] + " backward"
         for u in run["units"]:
@@ -214,6 +233,7 @@ def check_when_ready(fn) -> str:
             raise Hint(f"{u.name}: the gradient shards summed over {BACKWARDS} backwards differ from the "
                        "reference; call on_ready exactly once per backward, after the unit's last gradient",
                        mistake="wrong_values")
+    _per_unit_count(uneven)
     peak, every = run["peak"], run["all_grads"]
     if peak >= every:
         raise Hint(f"full gradients peaked at {peak:,} bytes, as much as keeping all of them ({every:,}): "
@@ -221,6 +241,24 @@ def check_when_ready(fn) -> str:
     return (f"on_ready ran once per unit per backward, after its last gradient ({BACKWARDS} backwards); "
             f"gradient shards match the all-reduce reference; full gradients peaked at {peak:,} bytes "
             f"vs {every:,} with all alive ({peak / every:.2f}x)")
+
+
+def _per_unit_count(run: dict) -> None:
+    """On units of different sizes, on_ready must still run once per unit, after its last gradient."""
+    sizes = ", ".join(f"{u.name} {len(u.params)}" for u in run["units"])
+    for b, per_unit in enumerate(run["calls"]):
+        for u in run["units"]:
+            counts, n = per_unit[u.name], len(u.params)
+            if counts == [n]:
+                continue
+            when = (f"never ran for {u.name}, though all its {n} gradients came" if not counts else
+                    f"ran for {u.name} when {counts[0]} of its {n} gradients were in" if len(counts) == 1 else
+                    f"ran {len(counts)} times for {u.name}, first when {counts[0]} of its {n} gradients were in")
+            raise Hint(f"on units of different sizes (parameters: {sizes}), in backward {b + 1}, on_ready {when}: "
+                       "each unit needs its own count, of its own len(params). One count shared by every unit "
+                       "(made outside when_ready), or a fixed number, works only while all units have the same "
+                       "size, as the four blocks do", "make the count inside when_ready, from len(params): each "
+                       "call then gets its own", mistake="count_not_per_unit")
 
 
 def gradient_peak(when_ready, reduce_unit) -> dict | None:

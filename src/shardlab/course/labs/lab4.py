@@ -135,13 +135,20 @@ def check_prepare_backward(fn) -> str:
             if left[u.name] > 0:
                 raise Hint(f"{u.name} was freed while {left[u.name]} of its {len(u.params)} gradients were still "
                            "to come: its backward needs the full weights until the last one. Free it when "
-                           "all are in (lab4.on_grads_ready): a module's full backward hook and register_multi_grad_hook "
-                           "run before the last p.grad is stored", AFTER_BACKWARD, mistake="freed_too_early")
+                           "all are in (lab4.on_grads_ready). Two hooks look right and are not: "
+                           "register_multi_grad_hook runs before the last p.grad is stored, and a module's full "
+                           "backward hook runs when the gradient of its input is ready, which is not tied to its "
+                           "parameters' p.grad (for a unit whose input needs no gradient, such as the first, "
+                           "before any of them)", AFTER_BACKWARD, mistake="freed_too_early")
             traced_free()
 
         u.free = guarded_free
 
     def backward_starts(u):
+        if u.gathering is not None:
+            raise Hint(f"{u.name}'s backward started while its gather was still in flight (async_op=True, never "
+                       "waited for): its weights may not have arrived. Gather without async_op here",
+                       "unit.gather() returns once the weights are in", mistake="used_in_flight")
         if not u.holds_full:
             raise Hint(f"{u.name}'s backward ran on freed weights: only the shard is there. Gather the unit "
                        "again before its backward", GATHER_AGAIN, mistake="backward_on_freed")
@@ -221,6 +228,10 @@ def _judge_step(units, step: dict, k: int) -> set[tuple[str, ...]]:
 
 
 def _order(step: dict, unit_name: str) -> list[str]:
-    """What happened to one unit in a step, in order: its gathers, frees, passes and reduce-scatters."""
-    return [w for w, name in step["log"] if name == unit_name and w in ("gather", "free", "forward", "backward",
-                                                                        "reduce_scatter")]
+    """What happened to one unit in a step, in order: its gathers, frees, passes and reduce-scatters.
+
+    A gather started with ``async_op=True`` ("prefetch") and then waited for by a plain ``gather()``
+    is one gather; a prefetch never waited for stays in the list, as "prefetch"."""
+    seen = [w for w, name in step["log"] if name == unit_name and w in ("gather", "prefetch", "free", "forward",
+                                                                        "backward", "reduce_scatter")]
+    return [w for i, w in enumerate(seen) if not (w == "prefetch" and seen[i + 1:i + 2] == ["gather"])]

@@ -63,6 +63,9 @@ def check_forward_prefetch(fn) -> str:
     try:
         with trace.listen():
             out = fn(units, x)
+    except IndexError as e:  # units[i + 1] at the last unit: on every rank at the same point
+        raise Hint(f"IndexError ({e}) in your loop: the last unit has no next one; start the next gather "
+                   "only if there is one", "compare i + 1 with len(units) first", mistake="past_the_end") from None
     finally:
         trace.close()
     if not torch.is_tensor(out):

@@ -14,6 +14,7 @@ all_gather, reduce_scatter..., and the most units that held their full weights a
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from shardlab.course.labs.tasks import Hint
@@ -68,6 +69,10 @@ class Collectives(Recorder):
             if n != 4 and numel_of(full) == 4 * numel_of(part):
                 raise Hint(f"your {kind.replace('_', '-')} got a buffer of 4 x shard elements on {n} ranks: "
                            "size it with world_size, not a fixed 4", mistake="hard_coded_world_size", broken=True)
+            if kind == "all_gather":  # the shards are what they are: the buffer is what was sized
+                raise Hint(f"your all-gather got buffers that do not fit: {got}. {rule}: size full as "
+                           f"world_size x shard.numel() = {n * numel_of(part)} elements (the padded length; "
+                           "drop the padding after the gather)", mistake="collective_sizes", broken=True)
             raise Hint(SIZES.format(kind=kind.replace("_", "-"), got=got, rule=rule),
                        mistake="collective_sizes", broken=True)
 
@@ -79,7 +84,18 @@ def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all
 
 
 def _no_hook_argument(method: str, args) -> None:
-    """``out.register_hook(unit.gather)``: autograd calls a tensor hook with the gradient."""
+    """``unit.gather``/``unit.free`` take no positional argument. A tensor as one means the method was
+    registered as a hook (``out.register_hook(unit.gather)``: autograd calls a tensor hook with the
+    gradient); a bool means ``gather(True)``, where ``async_op`` is keyword-only."""
+    if args and isinstance(args[0], bool) and method == "gather":
+        raise Hint(f"unit.gather({args[0]}): gather takes async_op by keyword only, so a positional "
+                   f"{args[0]} is refused. Write unit.gather(async_op={args[0]})",
+                   "FlatUnit.gather(self, *, async_op=False): the * makes what follows keyword-only",
+                   mistake="positional_async")
+    if args and not torch.is_tensor(args[0]):
+        raise Hint(f"unit.{method} was called with an argument (a {type(args[0]).__name__}), and it takes "
+                   f"none{' but async_op, by keyword' if method == 'gather' else ''}: "
+                   f"unit.{method}({'async_op=True' if method == 'gather' else ''})", mistake="method_argument")
     if args:
         got = type(args[0]).__name__
         raise Hint(f"unit.{method} was called with an argument (a {got}): did you register the method "
