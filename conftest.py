@@ -87,7 +87,8 @@ def pytest_addoption(parser):
 
 def _site():
     """website/execute.py, which owns the site's settings and the copies' format."""
-    sys.path.insert(0, str(ROOT / "website"))
+    if str(ROOT / "website") not in sys.path:
+        sys.path.insert(0, str(ROOT / "website"))
     import execute
 
     return execute
