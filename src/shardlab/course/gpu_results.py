@@ -39,6 +39,17 @@ PUBLISHED = [
              "all-gather / reduce-scatter, or all-reduce with NCCL_ALGO=RING",
      "value": "~370 GB/s busbw",
      "source": "S. Jeaugey (NCCL team), github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06"},
+    {"what": "all-reduce bus bandwidth against message size, 8 x H200 in one node (NVLink 4), nccl-tests "
+             "built on NCCL 2.30.7; above NVLink's 450 GB/s line rate at the large end, which the source "
+             "puts down to NVLink SHARP",
+     "value": "1 MiB ~72, 16 MiB ~242, 64 MiB ~370, 256 MiB ~442, 1 GiB ~464, 16 GiB ~481 GB/s busbw",
+     "source": "S. Bekman, Machine Learning Engineering, network/benchmarks/README.md "
+               "(github.com/stas00/ml-engineering)"},
+    {"what": "all-reduce bus bandwidth, 24 x A100-SXM4-40GB on 3 nodes (4 x HDR 200 Gb/s InfiniBand a node), "
+             "sizes 8 B to 128 MB",
+     "value": "~84.8 GB/s busbw on average over the sizes, ~96 GB/s at its peak, against the 100 GB/s "
+              "its poster works out from the NICs",
+     "source": "nccl-tests issue 119, github.com/NVIDIA/nccl-tests/issues/119, 2022-11-17"},
     {"what": "Llama 3.1 8B, FSDP, 8 x H100 (96 GB), local batch 2, selective activation checkpointing",
      "value": "5,762 tokens/s per GPU, 82.4 GiB memory",
      "source": "torchtitan docs/performance.md, Table 1 (github.com/pytorch/torchtitan)"},
