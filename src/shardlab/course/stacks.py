@@ -45,6 +45,7 @@ L_DS = "https://lightning.ai/docs/pytorch/stable/advanced/model_parallel/deepspe
 L_FSDP = "https://lightning.ai/docs/pytorch/stable/advanced/model_parallel/fsdp.html"
 L_PREC = "https://lightning.ai/docs/pytorch/stable/common/precision_basic.html"
 L_GA = "https://lightning.ai/docs/pytorch/stable/common/trainer.html#accumulate-grad-batches"
+L_FSDP_API = "https://lightning.ai/docs/pytorch/stable/api/lightning.pytorch.strategies.FSDPStrategy.html"
 
 ROWS = [
     {"shardlab": "stage=0 (DDP)",
@@ -90,7 +91,8 @@ ROWS = [
                "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch", FSDP2),
      "fsdp1": ("backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True", FSDP1),
      "accelerate": ("fsdp_backward_prefetch: BACKWARD_PRE", ACC_FSDP),
-     "lightning": None,
+     "lightning": ("FSDPStrategy(backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True): "
+                   "extra arguments go to FSDP1", L_FSDP_API),
      "torch": ["torch.distributed.fsdp.FSDPModule.set_modules_to_forward_prefetch",
                "torch.distributed.fsdp.FSDPModule.set_modules_to_backward_prefetch",
                "torch.distributed.fsdp.BackwardPrefetch.BACKWARD_PRE"]},
