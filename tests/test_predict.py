@@ -25,6 +25,15 @@ def test_numbers_agree_within_the_tolerance(capsys):
     assert predict.compare(24, m(25.17), what="MB", rel_tol=0.01) is False
 
 
+def test_also_accepts_named_other_answers_and_nothing_between(capsys):
+    """54 measured, 53 another system's count: both right, 55 not (rel_tol 2% would take all three)."""
+    assert predict.compare(54, m(54), what="calls", rel_tol=0.005, also=(53,)) is True
+    assert predict.compare(53, m(54), what="calls", rel_tol=0.005, also=(53,)) is True
+    assert "other count" in capsys.readouterr().out
+    assert predict.compare(55, m(54), what="calls", rel_tol=0.005, also=(53,)) is False
+    assert predict.compare(55, m(54), what="calls", rel_tol=0.02) is True   # why also= exists
+
+
 def test_lists_and_text_are_compared_element_by_element():
     assert predict.compare([6, 7, 8], m([6.0, 7.0, 8.0]), what="shard") is True
     assert predict.compare([6, 7], m([6.0, 7.0, 8.0]), what="shard") is False

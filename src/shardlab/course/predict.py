@@ -57,13 +57,15 @@ def _show(value, unit: str) -> str:
 
 
 def compare(guess, measured=None, *, what: str, unit: str = "", rel_tol: float = 0.05,
-            formula=None, published=None, source: str | None = None) -> bool | None:
+            formula=None, published=None, source: str | None = None, also=()) -> bool | None:
     """Print the learner's guess beside the value; True/False, or None when no guess was typed.
 
     Give exactly one of ``measured`` (a ``Measured`` value: printed "measured"), ``formula=``
     (printed "the formula gives") or ``published=`` with ``source=`` (or a ``Published`` value:
     printed "published (source)"). Numbers agree within ``rel_tol`` (5% by default),
-    sequences element by element, text ignoring case.
+    sequences element by element, text ignoring case. ``also``: other answers that count as
+    right, each within ``rel_tol`` too (another system's count, which the cell must explain),
+    so that a tolerance need not be widened to take them in, and with them the wrong ones beside.
     """
     given = [name for name, v in (("measured", measured), ("formula", formula), ("published", published))
              if v is not None]
@@ -87,7 +89,8 @@ def compare(guess, measured=None, *, what: str, unit: str = "", rel_tol: float =
         print(f"{what}: {label} {_show(value, unit)}. (No prediction typed: set it in the cell "
               f"above and run both cells again, to see how close you were.)")
         return None
-    ok = _close(guess, value, rel_tol)
-    verdict = "✓ right" if ok else "✗ not quite: read on to see why"
+    other = not _close(guess, value, rel_tol) and any(_close(guess, a, rel_tol) for a in also)
+    ok = _close(guess, value, rel_tol) or other
+    verdict = ("✓ right, by the other count this cell accepts" if other else "✓ right") if ok else "✗ not quite: read on to see why"
     print(f"{what}: you predicted {_show(guess, unit)}, {label} {_show(value, unit)}. {verdict}")
     return ok

@@ -5,8 +5,10 @@ with an instrument around it: :func:`peak` (memory by category over one step,
 ``track_memory``), :func:`accumulate` (the gradient bytes held between two micro-batches, and
 the ledger of the step), :func:`link_times` (step times on an emulated link, and optionally
 without it, with the link time booked by the emulator, and one step's bytes on the wire). Every number they return was measured
-on this rank, except the ledger's ``ring_*`` bytes and ``formula_s``, which are the ring formula
-(tagged ``Formula``); the formulas to set beside the rest live in
+on this rank, except these, each tagged ``Formula``: the ledger's ``ring_*`` bytes and
+``formula_s`` (the ring formula), ``link_s`` (the link time the emulator booked, by the same
+α-β ring formula) and ``waited_s`` (what the emulator slept of that booking: the booked time
+less what the step had already spent). The formulas to set beside the rest live in
 :mod:`shardlab.instruments.memory_math`.
 
 :func:`on_first` runs one of them on the first ``k`` ranks of the cluster alone, so that one
@@ -137,8 +139,9 @@ def link_times(plans: dict, link="1GbE", steps: int = 3, loopback: bool = False)
 
     Returns ``{name: {"step_s": [...], "link_s": [...], "waited_s": [...], "formula_s": s,
     "calls": n, "gathers": n, "units": n, "events": [...]}}``: the measured seconds of each step,
-    the link time the emulator booked for its collectives, the part of it the emulator slept
-    (what the step had not already spent on the loopback and on compute), the same link time by
+    the link time the emulator booked for its collectives (a formula), the part of it the emulator
+    slept (the booking less what the step had already spent on the loopback and on compute: a
+    formula's time less a measured one, tagged ``Formula``, not a step time), the same link time by
     the α-β ring formula from the ledger's records, the collectives of one step, the plan's units,
     and a warmed-up step's trace (``trace()``); and that step's traffic: ``elements`` (the
     paper's volume, counted), ``ring_bytes`` (the ring formula, all collectives), ``ring_rs``
