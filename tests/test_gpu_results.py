@@ -94,6 +94,25 @@ def test_fit_link_recovers_the_link_behind_the_times(kind):
         fit_link(kind, [1, 2], [1.0, 2.0], 1)
 
 
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_the_fit_read_back_through_the_ring_model_gives_the_times_sum(kind):
+    """What notebook 06 used to assert in its bandwidth cell, where it held for any times at all:
+    fed back into link_delay, the fitted α and β give the measured times' sum (a least-squares line
+    passes through their mean), or more where α was clamped to 0. It fails only if fit_link and
+    link_delay disagree (units, ring factors), so it is a test of the code, here."""
+    sizes = [2**20, 8 * 2**20, 32 * 2**20]
+    cases = {"positive α": [0.004, 0.009, 0.031], "clamped α": [0.0005, 0.012, 0.050]}
+    for what, times in cases.items():
+        for world in (2, 4, 8):
+            fit = fit_link(kind, sizes, times, world)
+            assert (fit.latency_us > 0) == (what == "positive α"), (what, fit)
+            back = sum(link_delay(kind, s // 4, 4, world, fit.bandwidth_gbps, fit.latency_us) for s in sizes)
+            if fit.latency_us > 0:
+                assert back == pytest.approx(sum(times), rel=1e-9), (what, world)
+            else:
+                assert back >= sum(times) * (1 - 1e-12), (what, world)
+
+
 def _gpu_check(tmp_path, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(ROOT / "workshop" / "gpu_check.py"), *args], capture_output=True,

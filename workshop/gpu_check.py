@@ -1,6 +1,6 @@
 """The GPU check: one command on one node, before the workshop, that proves the GPU path.
 
-    python workshop/gpu_check.py --record        # on a GPU node: every GPU it sees, about 8 minutes (at most ~11)
+    python workshop/gpu_check.py --record        # on a GPU node: every GPU it sees; its deadline stops it within ~11 minutes
     python workshop/gpu_check.py --dry-run       # anywhere: the same steps on CPU ranks (gloo)
 
 Four steps, each printed as it runs and recorded (``--record``) to
