@@ -54,6 +54,13 @@ def split_padded_to_four(flat, world_size):
     return list(_pad(flat, 4).chunk(world_size))
 
 
+def split_pads_the_last_piece(flat, world_size):  # pieces of ceil(numel/N), the last one topped up with zeros
+    size = -(-flat.numel() // world_size)
+    shards = list(flat.split(size))  # 7 on 5: 4 pieces of 2, not 5
+    shards[-1] = torch.nn.functional.pad(shards[-1], (0, size - shards[-1].numel()))
+    return shards
+
+
 def split_pads_by_the_remainder(flat, world_size):  # numel % N zeros, not (-numel) % N: right for 10 on 4 only
     return list(torch.nn.functional.pad(flat, (0, flat.numel() % world_size)).chunk(world_size))
 
@@ -113,6 +120,17 @@ def gather_drops_a_fixed_pad(shard, numel, world_size):  # N - numel % N: drops 
     return full[:full.numel() - (world_size - numel % world_size)]
 
 
+def gather_own_shard_in_zeros(shard, numel, world_size):  # its own piece in place, the collective forgotten
+    full = torch.zeros(world_size * shard.numel())
+    rank = dist.get_rank()
+    full[rank * shard.numel():(rank + 1) * shard.numel()] = shard
+    return full[:numel]
+
+
+def gather_repeats_its_own_shard(shard, numel, world_size):  # N copies of this rank's shard, no collective
+    return torch.cat([shard] * world_size)[:numel]
+
+
 def gather_with_torch_list(shard, numel, world_size):  # correct: torch.distributed's list form
     parts = [torch.empty_like(shard) for _ in range(world_size)]
     dist.all_gather(parts, shard)
@@ -152,6 +170,26 @@ def mean_by_all_reduce_and_slice(grad, world_size):  # right values, twice the t
 
 def mean_own_gradient_only(grad, world_size):
     return grad.chunk(world_size)[dist.get_rank()] / world_size
+
+
+def mean_by_reduce_to_rank0(grad, world_size):  # dist.reduce: the sum lands on rank 0 only
+    dist.reduce(grad, dst=0)
+    size = grad.numel() // world_size
+    return grad[dist.get_rank() * size:(dist.get_rank() + 1) * size] / world_size
+
+
+def mean_reduce_scatters_its_own_slice(grad, world_size):  # slices first, then reduce-scatters the slice
+    size = grad.numel() // world_size
+    mine = grad[dist.get_rank() * size:(dist.get_rank() + 1) * size]
+    shard = torch.empty(max(size // world_size, 1))
+    comm.reduce_scatter(shard, mine)
+    return shard / world_size
+
+
+def mean_with_reduce_op_avg(grad, world_size):  # correct: ReduceOp.AVG works on gloo in torch >= 2.9
+    shard = torch.empty(grad.numel() // world_size)
+    dist.reduce_scatter_tensor(shard, grad, op=dist.ReduceOp.AVG)
+    return shard
 
 
 def mean_divided_by_four(grad, world_size):
@@ -230,6 +268,16 @@ def all_reduce_divided_by_four(grad, world_size):
     return _rs_ag(grad, world_size, 1, 4)[:grad.numel()]
 
 
+def all_reduce_drops_minus_pad(grad, world_size):  # full[:-pad]: empty when the length divides (pad == 0)
+    pad = (-grad.numel()) % world_size
+    return _rs_ag(grad, world_size, 1, world_size)[:-pad]
+
+
+def all_reduce_drops_one_element(grad, world_size):  # "the padding is one element": right only when it is
+    full = _rs_ag(grad, world_size, 1, world_size)
+    return full[:full.numel() - 1]
+
+
 def all_reduce_with_torch_directly(grad, world_size):  # correct: torch.distributed, no comm
     padded = _pad(grad, world_size)
     shard = torch.empty(padded.numel() // world_size)
@@ -252,6 +300,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padded, never split": (PAD, split_padded_never_split, "not_a_list", "split it into"),
     "split by size, not count": (PAD, split_by_size_not_count, "size_not_count", "take a chunk size k, not a shard count"),
     "padded by the remainder": (PAD, split_pads_by_the_remainder, "wrong_pad_count", "you padded 10 elements to 11"),
+    "pieces of ceil(numel/N), the last one padded": (PAD, split_pads_the_last_piece, "too_few_pieces",
+                                                     "7 elements on 5 ranks gave 4 shards of 2, not 5"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),
@@ -260,6 +310,9 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "gather buffer sized from numel": (GATHER, gather_buffer_rounded_up, "collective_sizes",
                                        "size full as world_size x shard.numel()"),
     "gather by all-reduce": (GATHER, gather_by_all_reduce, "all_reduce_instead", "you all-reduced"),
+    "gather places its own shard, no collective": (GATHER, gather_own_shard_in_zeros, "no_all_gather",
+                                                   "no collective ran"),
+    "gather repeats its own shard": (GATHER, gather_repeats_its_own_shard, "no_all_gather", "no collective ran"),
     "gather drops N when it divides": (GATHER, gather_drops_a_fixed_pad, "dropped_real_elements",
                                        "there is no padding"),
     "mean not divided": (MEAN, mean_not_divided, "not_divided", "too large: the collective SUMs over"),
@@ -272,6 +325,10 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "mean returns the full buffer": (MEAN, mean_returns_the_full_buffer, "full_size", "full-size gradient"),
     "mean all-reduces its own chunk": (MEAN, mean_all_reduces_its_own_chunk, "all_reduced_a_slice",
                                        "a different slice on each rank"),
+    "mean by dist.reduce to rank 0": (MEAN, mean_by_reduce_to_rank0, "other_collective",
+                                      "dist.reduce sums onto one rank (dst) only"),
+    "mean reduce-scatters its own slice": (MEAN, mean_reduce_scatters_its_own_slice, "reduced_a_shard",
+                                           "one rank's shard of the padded"),
     "all-reduce via comm.all_reduce": (ALL, all_reduce_with_comm_all_reduce, "all_reduce_instead", "you called all-reduce"),
     "all-reduce via an aliased import": (ALL, all_reduce_with_an_aliased_import, "all_reduce_instead", "you called all-reduce"),
     "all-reduce reduces its own shard": (ALL, all_reduce_reduces_its_own_shard, "reduced_a_shard",
@@ -280,6 +337,9 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "all-reduce divided twice": (ALL, all_reduce_divided_twice, "divided_twice", "too small: did you divide twice?"),
     "all-reduce keeps the padding": (ALL, all_reduce_keeps_padding, "kept_padding", "drop the padding"),
     "all-reduce pads in front": (ALL, all_reduce_zeros_in_front, "padded_at_front", "zeros went in front"),
+    "all-reduce drops full[:-pad]": (ALL, all_reduce_drops_minus_pad, "dropped_real_elements", "x[:-0] is empty"),
+    "all-reduce drops one element of padding": (ALL, all_reduce_drops_one_element, "kept_padding",
+                                                "drop the padding, all of it"),
 }
 ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3
     "gather buffer sized for 4": (GATHER, gather_buffer_for_four, "hard_coded_world_size", "not a fixed 4"),
@@ -289,4 +349,5 @@ ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, 
 CORRECT = {
     "gather with torch.distributed's list all_gather": (GATHER, gather_with_torch_list),
     "all-reduce from torch.distributed directly": (ALL, all_reduce_with_torch_directly),
+    "mean with ReduceOp.AVG": (MEAN, mean_with_reduce_op_avg),
 }

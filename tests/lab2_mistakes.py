@@ -173,6 +173,15 @@ def step_with_torch_directly(flat, grad, master, optimizer, world_size):  # corr
 
 
 SHARD, STEP = "lab2.shard_optimizer", "lab2.zero1_step"
+def step_reduces_to_rank0_then_broadcasts(flat, grad, master, optimizer, world_size):  # DDP-by-hand, not ZeRO-1
+    dist.reduce(grad, dst=0)
+    dist.broadcast(grad, src=0)
+    rank = dist.get_rank()
+    master.grad = grad[rank * master.numel():(rank + 1) * master.numel()] / world_size
+    optimizer.step()
+    comm.all_gather(flat, master.detach())
+
+
 WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
     "optimizer over the full buffer": (SHARD, optimizer_over_the_full_buffer, "full_optimizer", "so ZeRO-1 saves nothing"),
     "shard master, full optimizer": (SHARD, shard_master_but_full_optimizer, "full_optimizer", "so ZeRO-1 saves nothing"),
@@ -197,6 +206,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "zero_grad before step": (STEP, step_zero_grad_before_step, "no_grad_at_step", "master.grad was None or zero"),
     "step gathers the gradient": (STEP, step_gathers_the_gradient, "gathered_grad", "flat holds gradients, not weights"),
     "step all-reduces and slices": (STEP, step_all_reduce_and_slice, "all_reduce_instead", "all-reduced"),
+    "step reduces to rank 0, then broadcasts": (STEP, step_reduces_to_rank0_then_broadcasts, "other_collective",
+                                                "dist.reduce sums onto one rank (dst) only"),
 }
 ON_THREE = {  # wrong only where the world size is not 4: they pass on 4 ranks, fail on 3
     "shard sized for 4 ranks": (SHARD, shard_size_for_four, "hard_coded_world_size", "not 4"),

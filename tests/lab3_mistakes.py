@@ -224,6 +224,14 @@ def when_ready_counts_down_from_a_set(params, on_ready):  # correct: a set of th
 
 
 REDUCE, READY = "lab3.reduce_unit", "lab3.when_ready"
+def reduce_unit_by_reduce_to_rank0(unit):  # dist.reduce: the sum lands on rank 0 only
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    dist.reduce(full, dst=0)
+    rank = dist.get_rank()
+    return full[rank * unit.shard_numel:(rank + 1) * unit.shard_numel].clone() / unit.world_size
+
+
 WRONG = {  # case: (task, wrong answer, the mistake the check must name, words its hint must contain)
     "SUM not divided": (REDUCE, reduce_unit_sum_not_divided, "not_divided", "too large"),
     "full gradient kept alive": (REDUCE, reduce_unit_keeps_full_grads, "full_grads_alive", "double reduction"),
@@ -233,6 +241,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "freed before packing": (REDUCE, reduce_unit_frees_before_packing, "freed_before_packing", "were gone when you packed"),
     "all-reduce, then a copy of its shard": (REDUCE, reduce_unit_all_reduce_then_copy, "all_reduce_instead", "you all-reduced"),
     "only its own gradient": (REDUCE, reduce_unit_own_gradient, "no_reduce", "only this rank's own gradient"),
+    "dist.reduce to rank 0": (REDUCE, reduce_unit_by_reduce_to_rank0, "other_collective",
+                              "dist.reduce sums onto one rank (dst) only"),
     "reduced before all gradients are in": (READY, when_ready_hooks_last_param, "fires_early", "when only 1 of its 6 gradients"),
     "hooks only the first parameter": (READY, when_ready_hooks_first_param, "hooked_one_param",
                                        "is not the last to arrive"),

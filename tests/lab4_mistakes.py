@@ -2,7 +2,9 @@
 spawned ranks), and correct alternatives that must pass."""
 
 import torch
+import torch.distributed as dist
 
+from shardlab import comm
 from shardlab.course.labs import lab4
 
 
@@ -56,6 +58,14 @@ def forward_gathers_async_never_waits(unit, x):  # computes while the weights ma
 def forward_gathers_async_and_waits(unit, x):  # correct: start, then wait, then run
     unit.gather(async_op=True)
     unit.gather()
+    out = unit.module(x)
+    unit.free()
+    return out
+
+
+def forward_starts_then_wait_gather(unit, x):  # correct: the wait FlatUnit.gather itself makes
+    unit.gather(async_op=True)
+    unit.wait_gather()
     out = unit.module(x)
     unit.free()
     return out
@@ -152,6 +162,53 @@ def prepare_backward_multi_grad_hook(unit, out):  # tensor hooks inside: before 
     torch.autograd.graph.register_multi_grad_hook(unit.params, lambda grads: (lab4.reduce_grads(unit), unit.free()))
 
 
+def _own_reduce_scatter(unit, reduce_scatter):
+    full = unit.pack_grads(torch.float32)
+    unit.set_param_grads(None)
+    shard = torch.empty(unit.shard_numel)
+    reduce_scatter(shard, full)
+    return shard
+
+
+def prepare_backward_own_reduce_scatter(unit, out):  # correct: comm.reduce_scatter, no unit= keyword
+    out.register_hook(lambda grad: unit.gather())
+
+    def after():
+        unit.master.grad = _own_reduce_scatter(unit, comm.reduce_scatter) / unit.world_size
+        unit.free()
+
+    lab4.on_grads_ready(unit, after)
+
+
+def prepare_backward_torch_reduce_scatter(unit, out):  # correct: torch.distributed itself
+    out.register_hook(lambda grad: unit.gather())
+
+    def after():
+        unit.master.grad = _own_reduce_scatter(unit, dist.reduce_scatter_tensor) / unit.world_size
+        unit.free()
+
+    lab4.on_grads_ready(unit, after)
+
+
+def prepare_backward_drops_the_shard(unit, out):  # lab 3's reduce_unit reused: its shard returned, then dropped
+    out.register_hook(lambda grad: unit.gather())
+
+    def after():
+        _own_reduce_scatter(unit, comm.reduce_scatter)
+        unit.free()
+
+    lab4.on_grads_ready(unit, after)
+
+
+def prepare_backward_starts_then_waits(unit, out):  # correct: gather(async_op=True), then wait_gather()
+    def borrow(grad):
+        unit.gather(async_op=True)
+        unit.wait_gather()
+
+    out.register_hook(borrow)
+    lab4.on_grads_ready(unit, lambda: (lab4.reduce_grads(unit), unit.free()))
+
+
 def prepare_backward_free_then_reduce(unit, out):  # correct: PyTorch FSDP2's order
     out.register_hook(lambda grad: unit.gather())
     lab4.on_grads_ready(unit, lambda: (unit.free(), lab4.reduce_grads(unit)))
@@ -190,6 +247,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "never freed after backward": (BACKWARD, prepare_backward_never_frees, "not_freed_after_backward",
                                    "after backward, blocks.0 still holds its full weights"),
     "gradients never reduced": (BACKWARD, prepare_backward_no_reduce, "no_reduce", "has no gradient shard"),
+    "reduce-scattered, the shard dropped": (BACKWARD, prepare_backward_drops_the_shard, "shard_not_kept",
+                                           "blocks.0's gradients were reduce-scattered, but it has no gradient shard"),
     "gathered again at once": (BACKWARD, prepare_backward_gathers_at_once, "gathered_too_early",
                                "4 units held their full weights at once"),
     "hooks registered every step": (BACKWARD, prepare_backward_permanent_hooks, "hooks_pile_up",
@@ -199,5 +258,9 @@ ON_THREE: dict = {}
 CORRECT = {
     "forward starts the gather, then waits": (FORWARD, forward_gathers_async_and_waits),
     "forward gathers twice": (FORWARD, forward_gathers_twice),
+    "forward starts the gather, then wait_gather()": (FORWARD, forward_starts_then_wait_gather),
+    "backward gather started, then wait_gather()": (BACKWARD, prepare_backward_starts_then_waits),
+    "its own reduce-scatter, comm without unit=": (BACKWARD, prepare_backward_own_reduce_scatter),
+    "its own reduce-scatter, torch.distributed": (BACKWARD, prepare_backward_torch_reduce_scatter),
     "free before reduce-scatter (FSDP2's order)": (BACKWARD, prepare_backward_free_then_reduce),
 }

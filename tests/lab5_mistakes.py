@@ -147,6 +147,12 @@ def prefetch_next_two_ahead(order, unit):
         order[i + 2].gather(async_op=True)
 
 
+def prefetch_next_bound_one_short(order, unit):  # i < len(order) - 2: the last unit is never prefetched
+    i = order.index(unit)
+    if i < len(order) - 2:
+        order[i + 1].gather(async_op=True)
+
+
 def prefetch_next_by_identity(order, unit):  # correct: a loop instead of index()
     for i, u in enumerate(order):
         if u is unit and i + 1 < len(order):
@@ -199,6 +205,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "prefetches the unit that already ran": (NEXT, prefetch_next_previous, "prefetched_done", "already run"),
     "wraps around past the last unit": (NEXT, prefetch_next_wraps_around, "prefetched_done", "already run"),
     "prefetches two ahead (stage 3)": (NEXT, prefetch_next_two_ahead, "too_many", "units held their full weights at once"),
+    "index bound one short": (NEXT, prefetch_next_bound_one_short, "not_prefetched",
+                              "blocks.3 in forward, blocks.0 in backward: the last unit of each order"),
 }
 ON_THREE: dict = {}
 CORRECT = {

@@ -36,6 +36,10 @@ def a_returns_a_list():  # correct: the two things in a list, not a tuple
     return ["unit_gathered_whole", {"units": "blocks"}]
 
 
+def a_blames_weights_kept_gathered():  # a distractor: the plan keeps reshard_after_forward=True
+    return "weights_kept_gathered", {"reshard_after_forward": True}
+
+
 # -- case b: the same peak at 2 ranks and at 4 --------------------------------------------------
 def b_blames_the_unit():
     return "unit_gathered_whole", {"units": "blocks"}
@@ -43,6 +47,10 @@ def b_blames_the_unit():
 
 def b_blames_the_estimate():
     return "states_only_estimate", {"checkpointing": True}
+
+
+def b_blames_collectives():
+    return "too_many_collectives", {"units": "whole"}
 
 
 def b_changes_the_stage():
@@ -82,6 +90,10 @@ def c_returns_the_cause_only():
     return "too_many_collectives"
 
 
+def c_blames_prefetch():  # a distractor: the plan keeps prefetch=True
+    return "gathers_not_overlapped", {"prefetch": True}
+
+
 def c_ddp_on_the_same_units():  # the model fits, but DDP on 18 units is 18 small all-reduces
     return "too_many_collectives", {"stage": 0}
 
@@ -101,6 +113,10 @@ def d_blames_activations():
 
 def d_blames_collectives():
     return "too_many_collectives", {"units": "whole"}
+
+
+def d_blames_weights_kept_gathered():  # 4 bytes per parameter, as full weights would be: but it is gradient
+    return "weights_kept_gathered", {"reshard_after_forward": True}
 
 
 def d_changes_the_stage():  # ZeRO-2 under no_sync keeps the whole gradient too
@@ -128,13 +144,17 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "a: keeps the weights gathered": (A, a_keeps_the_weights_gathered, "symptom_remains", "still not below ZeRO-2's"),
     "a: changes nothing": (A, a_changes_nothing, "no_change", "the run already has units='whole'"),
     "a: invents a cause": (A, a_invents_a_cause, "unknown_cause", "is not one of the course's causes"),
+    "a: blames weights kept gathered": (A, a_blames_weights_kept_gathered, "wrong_cause",
+                                        "the plan keeps reshard_after_forward=True"),
     "b: blames the unit": (B, b_blames_the_unit, "wrong_cause", "the units are blocks here"),
     "b: blames the estimate": (B, b_blames_the_estimate, "wrong_cause", "do halve from 2 ranks to 4"),
+    "b: blames collectives": (B, b_blames_collectives, "wrong_cause", "the four blocks and the root"),
     "b: changes the stage": (B, b_changes_the_stage, "symptom_remains", "against"),
     "b: halves the batch": (B, b_halves_the_batch, "symptom_remains", "smaller, not yet half"),
     "b: changes two settings": (B, b_changes_two_settings, "not_one_setting", "change exactly one setting"),
     "c: blames the unit": (C, c_blames_the_unit, "wrong_cause", "18 units"),
     "c: blames activations": (C, c_blames_activations, "wrong_cause", "this is a time symptom"),
+    "c: blames prefetch": (C, c_blames_prefetch, "wrong_cause", "the plan keeps prefetch=True"),
     "c: turns prefetch off": (C, c_turns_prefetch_off, "small_units_remain", "Still 18 units"),
     "c: DDP on the same units": (C, c_ddp_on_the_same_units, "small_units_remain", "Still 18 units"),
     "c: ZeRO-2 on the same units": (C, c_zero2_on_the_same_units, "small_units_remain", "Still 18 units"),
@@ -142,6 +162,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "c: returns the cause only": (C, c_returns_the_cause_only, "not_a_diagnosis", "return two things"),
     "d: blames activations": (D, d_blames_activations, "wrong_cause", "activations are freed"),
     "d: blames collectives": (D, d_blames_collectives, "wrong_cause", "fewer reduce-scatters than usual"),
+    "d: blames weights kept gathered": (D, d_blames_weights_kept_gathered, "wrong_cause",
+                                        "what the report counts is gradient bytes"),
     "d: changes the stage": (D, d_changes_the_stage, "symptom_remains", "of gradient held between micro-batches"),
     "d: keeps no_sync": (D, d_keeps_no_sync, "no_change", "the run already has sync_every_micro_batch=False"),
     "d: a string for a bool": (D, d_yes_for_a_bool, "not_a_bool", "sync_every_micro_batch is True or False, not 'yes'"),

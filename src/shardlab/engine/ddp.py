@@ -44,7 +44,7 @@ class DataParallel(Engine):
         return Reduction(unit, comm.all_reduce(grad, unit=unit.name, async_op=True), grad)
 
     def keep_grads(self, reduction: Reduction) -> None:
-        """The landed SUM, divided by N (gloo's ReduceOp.AVG cannot be trusted), is the gradient."""
+        """The landed SUM, divided by N (the course sums and divides on every backend), is the gradient."""
         self.accumulate(reduction.unit, reduction.grad)
 
     def after_step(self, unit: FlatUnit) -> None:

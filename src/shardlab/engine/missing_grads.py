@@ -90,7 +90,7 @@ def add_average(into: torch.Tensor | None, total: torch.Tensor, n: int, dtype: t
     missing = is_missing(total)
     if into is not None:
         missing &= is_missing(into)
-    total.div_(n)  # SUM / N: gloo's ReduceOp.AVG cannot be trusted
+    total.div_(n)  # SUM / N: sum, then divide, on every backend and torch version
     if into is None:
         into = total.to(dtype)
     else:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardlab.course.labs.scale import judge_scale
 from shardlab.course.labs.tasks import Hint, task
-from shardlab.course.labs.watch import Collectives, traffic
+from shardlab.course.labs.watch import Collectives, refuse_others, traffic
 from shardlab.engine.flat import padded_numel
 
 
@@ -74,15 +74,16 @@ def _collectives(seen: Collectives, want: list[str], numel: int, n: int, task_wo
                    "replace the all-reduce (and the slice after it) by the collective the task names",
                    mistake="all_reduce_instead")
     if sorted(kinds) != sorted(want) or any(c.numel != numel for c in seen.log):
-        got = ", ".join(f"{c.kind} of {c.numel}" for c in seen.log) or "none"
-        raise Hint(f"the values are right, but your collectives were: {got}; {task_words} "
+        raise Hint(f"the values are right, but your collectives were: {seen.described()}; {task_words} "
                    f"({', '.join(f'{k} of {numel}' for k in want)} elements)", mistake="collectives")
 
 
 @task("lab1.pad_and_split", fn_name="pad_and_split")
 def check_pad_and_split(fn) -> str:
     """Local: any N, 3 included, on sizes that do and do not divide evenly."""
-    cases = [(10, 4), (10, 3), (12, 4), (12, 3), (7, 5), (10, 1), (1, 3)]
+    # 9 on 3 comes before 7 on 5: padding to a multiple of 4 shows at 9 on 3 (12 = 3 x 4), where cutting
+    # into pieces of ceil(numel/N) is still right; at 7 on 5 the two give the same 4 pieces of 2
+    cases = [(10, 4), (10, 3), (12, 4), (12, 3), (9, 3), (7, 5), (10, 1), (1, 3)]
     for numel, n in cases:
         flat = torch.arange(1.0, numel + 1)  # no zeros inside, so padding stands out
         want = _padded(flat, n).reshape(n, -1)
@@ -105,8 +106,14 @@ def check_pad_and_split(fn) -> str:
             raise Hint(f"pad_and_split should return a list of {n} tensors, got {type(shards).__name__}{why}",
                        mistake="not_a_list")
         sizes = [s.numel() for s in shards]
-        if n != 4 and numel % n and sizes == [c.numel() for c in _padded(flat, 4).chunk(n)] != \
-                [c.numel() for c in want]:
+        piece = -(-numel // n)  # ceil(numel / n)
+        if len(shards) < n and sizes and set(sizes) == {piece}:
+            raise Hint(f"{numel} elements on {n} ranks gave {len(shards)} shards of {piece}, not {n}: pieces of "
+                       f"ceil(numel / world_size) = {piece} elements can be fewer than world_size (here "
+                       f"{len(shards)} pieces cover all {numel}), and padding only the last piece cannot add the "
+                       "missing ones", "pad the whole tensor to a multiple of world_size first, then cut it into "
+                       "world_size pieces (chunk takes the count)", mistake="too_few_pieces")
+        if n != 4 and sizes == [c.numel() for c in _padded(flat, 4).chunk(n)] != [c.numel() for c in want]:
             raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}: you padded to a multiple "
                        f"of 4, not of world_size = {n}", "the padding depends on the world_size argument, "
                        "never a fixed 4", mistake="hard_coded_world_size")
@@ -147,7 +154,7 @@ def check_pad_and_split(fn) -> str:
         if not torch.equal(got, want):
             raise Hint(f"for {numel} elements on {n} ranks, shard 0 is {_show(got[0])}, "
                        f"expected {_show(want[0])}", mistake="wrong_values")
-    return "equal, zero-padded shards in rank order: 10, 12, 7 and 1 elements split over N = 1, 3, 4 and 5"
+    return "equal, zero-padded shards in rank order: 10, 12, 9, 7 and 1 elements split over N = 1, 3, 4 and 5"
 
 
 @task("lab1.gather_full", fn_name="gather_full")
@@ -162,6 +169,9 @@ def check_gather_full(fn) -> str:
         with Collectives() as seen:  # every collective first (both lengths), then judge
             got = fn(shard.clone(), numel, n)
         runs.append((numel, full, padded, shard, got, seen))
+    for *_, seen in runs:
+        refuse_others(seen, "The task rebuilds the tensor with one all-gather: every rank gives its shard, "
+                            "every rank gets all of them")
     for numel, full, padded, shard, got, seen in runs:
         _judge_gather(numel, full, padded, shard, got, seen, n)
     (padded_len, *_), (divides, *_) = runs
@@ -179,6 +189,11 @@ def _judge_gather(numel, full, padded, shard, got, seen, n) -> None:
         raise Hint("you returned one shard, and no collective ran: all-gather every rank's shard into a "
                    "buffer of world_size x shard elements", "comm.all_gather(full, shard) fills a buffer "
                    "you allocate", mistake="no_all_gather")
+    if not seen.log and n > 1 and not _same(got, full):
+        raise Hint(f"no collective ran, so this rank had only its own shard to build from: the other "
+                   f"{n - 1} ranks' shards reach it only through an all-gather. Your tensor: {_show(got)}",
+                   "comm.all_gather(full, shard) fills a buffer of world_size x shard elements with every "
+                   "rank's shard, in rank order", mistake="no_all_gather")
     if not _same(got, full):
         if got.numel() == numel and _same(got, padded[-numel:]):
             raise Hint(f"you dropped the padding from the front: the padding is the last "
@@ -212,8 +227,10 @@ def check_mean_grad_shard(fn) -> str:
     rank, n = dist.get_rank(), dist.get_world_size()
     shard_len = 3
     grad, mean = _grads(rank, n, shard_len * n)
-    with Collectives() as seen:
+    with Collectives(reduce_full=grad.numel()) as seen:  # a reduce-scatter of one slice of it is named so
         got = fn(grad.clone(), n)
+    refuse_others(seen, "The task reduce-scatters: every rank passes its whole gradient and gets back its "
+                        "shard of the sum")
     got = _expect_tensor(got, "mean_grad_shard's result").reshape(-1)
     want = mean[rank * shard_len:(rank + 1) * shard_len]
     if got.numel() == grad.numel():
@@ -246,12 +263,26 @@ def check_mean_grad_shard(fn) -> str:
 
 @task("lab1.all_reduce_mean", fn_name="all_reduce_mean")
 def check_all_reduce_mean(fn) -> str:
+    """Three lengths: padded by 1, padded by more than 1 (N - 1), and one that divides (no padding)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    numel = 4 * n - 1  # not a multiple of n: pad, then drop the padding
-    padded = padded_numel(numel, n)
-    grad, mean = _grads(rank, n, numel)
-    with Collectives(reduce_full=padded) as seen:
-        got = fn(grad.clone(), n)
+    runs = []
+    for numel in (4 * n - 1, 4 * n + 1, 4 * n):
+        padded = padded_numel(numel, n)
+        grad, mean = _grads(rank, n, numel)
+        with Collectives(reduce_full=padded) as seen:  # every collective first (all lengths), then judge
+            got = fn(grad.clone(), n)
+        runs.append((numel, padded, mean, got, seen))
+    for *_, seen in runs:
+        refuse_others(seen, "Build the all-reduce from one reduce-scatter and one all-gather")
+    for numel, padded, mean, got, seen in runs:
+        _judge_all_reduce(numel, padded, mean, got, seen, n)
+    (numel, padded, *_, seen), (more, more_padded, *_), (divides, *_) = runs
+    return (f"the mean of {n} ranks' gradients ({numel} elements, padded to {padded}) from one reduce-scatter and "
+            f"one all-gather, {seen.ring_bytes():,} B per rank by the ring formula, on every rank; also for {more} "
+            f"elements (padded to {more_padded}) and {divides} (no padding to drop)")
+
+
+def _judge_all_reduce(numel, padded, mean, got, seen, n) -> None:
     got = _expect_tensor(got, "all_reduce_mean's result").reshape(-1)
     if "all_reduce" in seen.kinds():
         raise Hint("you called all-reduce: build it from one reduce-scatter, then one all-gather "
@@ -259,16 +290,25 @@ def check_all_reduce_mean(fn) -> str:
                    mistake="all_reduce_instead")
     if got.shape == mean.shape:
         judge_scale(got, mean, n, "your mean gradient")
-    if got.numel() == padded and _same(got[:numel], mean):
-        raise Hint(f"your gradient has {got.numel()} elements, not {numel}: drop the padding",
-                   "return only the first grad.numel() elements", mistake="kept_padding")
     pad = padded - numel
+    if numel < got.numel() <= padded and _same(got[:numel], mean):
+        raise Hint(f"for {numel} elements on {n} ranks your gradient has {got.numel()}, not {numel}: drop the "
+                   f"padding, all of it ({pad} element{'s' if pad > 1 else ''} here: {numel} padded to {padded})",
+                   "return only the first grad.numel() elements: the length is given, the padding need not be "
+                   "computed", mistake="kept_padding")
     if pad and got.shape == mean.shape and not got[:pad].any() and _same(got[pad:], mean[:numel - pad]):
         raise Hint(FRONT, "torch.nn.functional.pad(flat, (left, right)): which side did you pad?",
                    mistake="padded_at_front")
+    if got.numel() < numel and _same(got, mean[:got.numel()]):
+        there = (f"{numel} divides by {n}, so there is no padding to drop"
+                 + (" (and x[:-0] is empty: -0 is 0)" if got.numel() == 0 else "") if not pad else
+                 f"the padding is only the last {pad}")
+        raise Hint(f"for {numel} elements on {n} ranks your gradient has {got.numel()}: you dropped "
+                   f"{numel - got.numel()} real elements, and {there}",
+                   "return the first grad.numel() elements of the gathered buffer: the length is given, the "
+                   "padding need not be computed", mistake="dropped_real_elements")
     if not _same(got, mean):
-        raise Hint(f"expected the mean gradient {_show(mean)}, got {_show(got)}", mistake="wrong_values")
+        raise Hint(f"for {numel} elements, expected the mean gradient {_show(mean)}, got {_show(got)}",
+                   mistake="wrong_values")
     _collectives(seen, ["reduce_scatter", "all_gather"], padded, n,
                  "the task builds it from one reduce-scatter and one all-gather")
-    return (f"the mean of {n} ranks' gradients ({numel} elements, padded to {padded}) from one "
-            f"reduce-scatter and one all-gather, {seen.ring_bytes():,} B per rank by the ring formula, on every rank")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardlab.course.labs.scale import judge_scale
 from shardlab.course.labs.tasks import Hint, task
-from shardlab.course.labs.watch import Collectives, traffic
+from shardlab.course.labs.watch import Collectives, refuse_others, traffic
 from shardlab.engine import comm
 from shardlab.engine.flat import padded_numel
 
@@ -195,6 +195,9 @@ def check_zero1_step(fn) -> str:
         if problem is None:
             problem = _diagnose(flat, before, master, master_before, grad_before, ref.detach(),
                                 everyone.view(n, -1), mean, rank, n, step, seen)
+    for seen in per_step:  # the same calls on every rank: named before any rank's values are judged
+        refuse_others(seen, "A ZeRO-1 step is one reduce-scatter (every rank gets its shard of the sum) and one "
+                            "all-gather (every rank gets every shard)")
     if problem is not None:
         raise problem
     want = ["reduce_scatter", "all_gather"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardlab.course.labs import lab_model
 from shardlab.course.labs.scale import judge_scale
 from shardlab.course.labs.tasks import Hint, task
-from shardlab.course.labs.watch import Collectives, traffic
+from shardlab.course.labs.watch import Collectives, refuse_others, traffic
 from shardlab.engine import comm
 from shardlab.engine.flat import FlatUnit
 
@@ -43,6 +43,8 @@ def check_reduce_unit(fn) -> str:
         got = fn(unit)
     # what every rank returned, seen by every rank (bookkeeping, before any verdict)
     returned = comm.gather_lists([got.detach().reshape(-1).float().clone() if torch.is_tensor(got) else None])
+    refuse_others(seen, "The task is one reduce-scatter: every rank passes its whole packed gradient and gets its "
+                        "shard of the sum")
     if not torch.is_tensor(got):
         raise Hint(f"reduce_unit returned {type(got).__name__}; return this rank's gradient shard (a tensor)",
                    mistake="not_a_tensor")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardlab.course.labs import lab_model, watch
 from shardlab.course.labs.lab_model import on_grads_ready, reduce_grads  # noqa: F401 - the lab uses lab4.<name>
 from shardlab.course.labs.tasks import Hint, task
-from shardlab.engine import api
+from shardlab.engine import api, events
 
 STEPS = 3
 MOST = 2  # units gathered at once in backward: the one running and the one whose gradients are landing
@@ -84,7 +84,7 @@ def check_forward(fn) -> str:
         raise Hint("the output differs from the whole model's: return unit.module(x), run on the gathered weights",
                    mistake="wrong_values")
     for u in units:
-        seen = trace.of(u.name, ("gather", "forward", "free"))
+        seen = trace.cycle(u.name, ("gather", "forward", "free"))  # gather(async_op=True) + its wait: one gather
         # a gather of a unit that holds its full weights is a no-op (FlatUnit.gather): not a mistake
         seen = [w for i, w in enumerate(seen) if not (w == "gather" and seen[i - 1:i] == ["gather"])]
         if seen == ["gather", "free"]:  # the right output (checked above) with no forward seen
@@ -125,10 +125,18 @@ def check_prepare_backward(fn) -> str:
     units = lab_model.flat_units(lab_model.make_model(), sharded=True)
     trace = watch.Trace(units)
     left = {u.name: 0 for u in units}
+    complete: list[str] = []  # units whose gradients are all in, not yet reduce-scattered, oldest first
+    reductions = _Reductions(trace, complete)
+
+    def counted(p, name):
+        left[name] -= 1
+        if left[name] == 0:
+            complete.append(name)
+
     for u in units:
         trace.watch(u)
         for p in u.params:  # registered before the learner's hooks: counts each gradient first
-            p.register_post_accumulate_grad_hook(lambda p, name=u.name: left.__setitem__(name, left[name] - 1))
+            p.register_post_accumulate_grad_hook(lambda p, name=u.name: counted(p, name))
         traced_free = u.free
 
         def guarded_free(u=u, traced_free=traced_free):
@@ -165,7 +173,10 @@ def check_prepare_backward(fn) -> str:
                 u.master.grad = None
             x, y = lab_model.batch(rank, step)
             out = x
-            with trace.listen():  # the learner's collectives only (the reference's units share the names)
+            complete.clear()
+            # the learner's collectives only (the reference's units share the names); reduce-scatters
+            # at the dispatcher, however they were called
+            with trace.listen(skip=("reduce_scatter",)), events.listen(reductions.on_event), reductions:
                 for u in units:
                     u.gather()
                     out = u.module(out)
@@ -198,6 +209,12 @@ def _judge_step(units, step: dict, k: int) -> set[tuple[str, ...]]:
         raise Hint(f"after backward, {name} still holds its full weights: free it once its gradients "
                    "are reduce-scattered", AFTER_BACKWARD, mistake="not_freed_after_backward")
     for u, grad in zip(units, step["grads"]):
+        if grad is None and "reduce_scatter" in _order(step, u.name):
+            raise Hint(f"{u.name}'s gradients were reduce-scattered, but it has no gradient shard after backward: "
+                       "the shard must end up in unit.master.grad, where the optimizer finds it. "
+                       "lab4.reduce_grads(unit) stores it there; a shard your own code reduce-scatters is yours "
+                       "to store, divided by the world size", "what did you do with the shard the reduce-scatter "
+                       "returned?", mistake="shard_not_kept")
         if grad is None:
             raise Hint(f"{u.name} has no gradient shard after backward: call lab4.reduce_grads(unit) once all "
                        "its gradients are in (lab4.on_grads_ready)", AFTER_BACKWARD, mistake="no_reduce")
@@ -230,8 +247,31 @@ def _judge_step(units, step: dict, k: int) -> set[tuple[str, ...]]:
 def _order(step: dict, unit_name: str) -> list[str]:
     """What happened to one unit in a step, in order: its gathers, frees, passes and reduce-scatters.
 
-    A gather started with ``async_op=True`` ("prefetch") and then waited for by a plain ``gather()``
-    is one gather; a prefetch never waited for stays in the list, as "prefetch"."""
-    seen = [w for w, name in step["log"] if name == unit_name and w in ("gather", "prefetch", "free", "forward",
-                                                                        "backward", "reduce_scatter")]
-    return [w for i, w in enumerate(seen) if not (w == "prefetch" and seen[i + 1:i + 2] == ["gather"])]
+    A gather started with ``async_op=True`` ("prefetch") and then waited for, by a plain ``gather()``
+    or by ``wait_gather()``, is one gather; a prefetch never waited for stays in the list, as "prefetch"."""
+    return watch.cycle(step["log"], unit_name, ("gather", "free", "forward", "backward", "reduce_scatter"))
+
+
+class _Reductions(watch.Collectives):
+    """Every reduce-scatter the learner's code runs, however it was called (``lab4.reduce_grads``,
+    ``comm.reduce_scatter``, ``torch.distributed``), told to the trace as one unit's: the unit the
+    engine's ``comm`` event names (``comm.reduce_scatter(..., unit=name)``, as ``lab4.reduce_grads``
+    does), else the unit whose gradients were all in the earliest and that has no reduce-scatter yet
+    (what ``lab4.on_grads_ready`` hands the learner's function)."""
+
+    def __init__(self, trace: watch.Trace, complete: list[str]):
+        super().__init__()
+        self.trace, self.complete, self.named = trace, complete, None
+
+    def on_event(self, name: str, fields: dict) -> None:
+        if name == events.COMM and fields["kind"] == "reduce_scatter":
+            self.named = fields.get("unit")  # announced just before the call reaches the dispatcher
+
+    def _record(self, kind: str, op: str, args) -> None:
+        named, self.named = self.named, None
+        super()._record(kind, op, args)
+        if kind == "reduce_scatter":
+            unit = named or (self.complete[0] if self.complete else None)
+            if unit in self.complete:
+                self.complete.remove(unit)
+            self.trace.add("reduce_scatter", unit)

@@ -123,6 +123,7 @@ def check_prefetch_next(fn) -> str:
     rank = dist.get_rank()
 
     calls = {"issued": 0, "waited": 0}  # all-gathers started, and waited for, inside the learner's calls
+    started_early: set[int] = set()  # where in the log the learner's calls started an all-gather
 
     def guarded(order, unit):
         before = len(log)
@@ -132,16 +133,17 @@ def check_prefetch_next(fn) -> str:
             raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
                        "prefetch only if there is one", "compare the index with len(order) first",
                        mistake="past_the_end") from None
-        during = [(name, kind) for name, kind, _ in log[before:]]
+        during = [(name, kind) for name, kind, *_ in log[before:]]
         calls["issued"] += during.count((events.COMM, "all_gather"))
         calls["waited"] += during.count((events.COMM_DONE, "all_gather"))
+        started_early.update(before + k for k, e in enumerate(during) if e == (events.COMM, "all_gather"))
 
     log, most = [], [0]
     model, optimizer, engine = _stage3(guarded)
 
     def record(name, fields):
         most[0] = max(most[0], watch.gathered(engine.units))
-        log.append((name, fields.get("kind"), fields.get("unit")))
+        log.append((name, fields.get("kind"), fields.get("unit"), fields.get("phase")))
 
     steps = STEPS
     with events.listen(record):
@@ -153,7 +155,7 @@ def check_prefetch_next(fn) -> str:
         _step(ref_model, ref_opt, *lab_model.batch(rank, step))
     reference = api.full_state_dict(ref_model)
     n = len(engine.units)
-    gathers = [i for i, (name, kind, _) in enumerate(log) if name == events.COMM and kind == "all_gather"]
+    gathers = [i for i, (name, kind, *_) in enumerate(log) if name == events.COMM and kind == "all_gather"]
     if len(gathers) > 2 * n * steps:
         raise Hint(f"{len(gathers)} all-gathers in {steps} steps, {2 * n * steps} are needed (each unit once for "
                    "forward, once for backward): you prefetched units that had already run",
@@ -175,14 +177,36 @@ def check_prefetch_next(fn) -> str:
         hidden += j > i + 1  # the rank did something (ran a unit) before it waited
     want = 2 * (n - 1) * steps
     if hidden < want:
-        raise Hint(f"only {hidden} of the {want} gathers that could overlap compute did: you waited for the "
-                   "prefetch right away. Start it with gather(async_op=True); the engine waits when it needs it",
-                   mistake="waited_at_once")
+        raise _not_hidden(log, gathers, started_early, hidden, want, engine.units)
     for name, t in reference.items():
         if not lab_model.close(mine[name], t):
             raise Hint(f"after {steps} steps {name} differs from stage 3 without prefetch", mistake="wrong_values")
     return (f"in ShardLab's stage 3, {hidden} of {len(gathers)} gathers were in flight while a unit computed; at "
             f"most {most[0]} units gathered at once; weights after {steps} steps match stage 3 without prefetch")
+
+
+def _not_hidden(log, gathers, started_early, hidden, want, units) -> Hint:
+    """Fewer gathers overlapped compute than could: name the ones the learner's rule never started
+    early (each pass's first gather has no unit before it to start it), else say they were waited
+    for at once."""
+    missed, phase = [], None  # (unit, phase) of each gather started only when its unit was about to run
+    for i in gathers:
+        unit, first = log[i][2], log[i][3] != phase  # a new pass (forward, then backward, each step)
+        phase = log[i][3]
+        if i not in started_early and not first and (unit, phase) not in missed:
+            missed.append((unit, phase))
+    if not missed:
+        return Hint(f"only {hidden} of the {want} gathers that could overlap compute did: the gathers your "
+                    "prefetch_next started were waited for before any unit ran. Start the one of the NEXT unit "
+                    "with gather(async_op=True); the engine waits when that unit is about to run",
+                    mistake="waited_at_once")
+    names = ", ".join(f"{unit} in {phase}" for unit, phase in missed)
+    last = {(u.name, "forward") for u in units[-1:]} | {(u.name, "backward") for u in units[:1]}
+    bound = (": the last unit of each order (the forward order, and backward's reverse one). Look at the bound "
+             "on your index: the unit before the last has a next one" if set(missed) <= last else "")
+    return Hint(f"only {hidden} of the {want} gathers that could overlap compute did. Your prefetch_next never "
+                f"started these early, when the unit before them in the order ran: {names}{bound}",
+                "order[i + 1] exists as long as i + 1 < len(order)", mistake="not_prefetched")
 
 
 def measure(prefetch_next, *, link: str = "1GbE", steps: int = 3, d: int = 128) -> dict | None:

@@ -20,12 +20,19 @@ from shardlab.course.labs.tasks import Hint, task
 from shardlab.engine.api import engine_of
 from shardlab.instruments.traffic import count_comm
 
-#: The course's list of causes (notebook 09), by key.
+#: The causes the course names, by key: notebook 09's five, and two settings of notebooks 04 and 05
+#: (``reshard_after_forward``, ``prefetch``) that a plan may also get wrong. Each case's cause is one
+#: of them; the others are there because each fits some case's symptom until the plan and the
+#: report are read.
 CAUSES = {
     "unit_gathered_whole": "a unit (or a bucket) as big as the model is gathered whole, on top of the shard",
-    "activations": "activations grow with the batch per rank and do not shrink with N",
+    "weights_kept_gathered": "reshard_after_forward=False: every unit keeps its full weights from its forward "
+                             "until its backward",
+    "activations": "activations are set by the batch per rank and the model, and sharding does not cut them",
     "too_many_collectives": "many small units: a gather per unit, each paying latency and a fixed cost",
-    "unreduced_gradient": "accumulating without syncing keeps a whole, unreduced gradient",
+    "gathers_not_overlapped": "no prefetch: each gather starts only when its unit is about to run, so no "
+                              "compute hides it",
+    "unreduced_gradient": "a gradient that was not reduce-scattered is kept whole, not as a shard",
     "states_only_estimate": "the estimate counts the model states at rest, and nothing else",
 }
 #: The settings a fix may change, with their values when a plan does not say.
@@ -118,7 +125,7 @@ def _fewer_units(plan: dict) -> str:
     on = (f"rerun on {dist.get_world_size()} ranks: {_units(units)}, {calls} collectives a step, "
           f"{link * 1e3:.1f} ms on {LINK} by the α-β formula")
     ddp_is = (f"DDP as the report runs it: {_units(ddp_units)} (units={SETTINGS['units']!r}), {ddp_calls} "
-              f"collectives, {ddp * 1e3:.1f} ms")
+              f"collectives, {ddp * 1e3:.1f} ms on {dist.get_world_size()} ranks")
     if units > ddp_units:
         raise Hint(f"{on}; {ddp_is}. Still {_units(units)}: each one is a collective or more a step, and each "
                    "collective pays the link's latency and a fixed cost on the processor that the formula leaves "
@@ -154,27 +161,41 @@ CASES = {
     "a": Case(dict(stage=3, units="whole"), "unit_gathered_whole",
               "stage 3 peaks above ZeRO-2 on the same run",
               {"activations": "the report shows the same activations at stage 3 and at ZeRO-2: they are not what differs",
+               "weights_kept_gathered": "the plan keeps reshard_after_forward=True (the default): what this plan "
+                                        "changes is another setting",
                "too_many_collectives": "this is a memory symptom, and this run has a single unit: one all-gather "
                                        "and one reduce-scatter a step",
+               "gathers_not_overlapped": "this is a memory symptom, and the plan keeps prefetch=True (the default)",
                "unreduced_gradient": "this run takes one backward per step; nothing is accumulated",
                "states_only_estimate": "the report compares two measured peaks, not an estimate with a run"}, _peak_below_zero2),
     "b": Case(dict(stage=3, batch_size=32), "activations",
               "the peak hardly falls from 2 ranks to 4",
-              {"unit_gathered_whole": "the units are blocks here, and 'gathered' is a small line of the report",
-               "too_many_collectives": "this is a memory symptom; its units are the five blocks and the root, "
+              {"unit_gathered_whole": "the units are blocks here, and 'gathered' is a small column of the report",
+               "weights_kept_gathered": "the plan keeps reshard_after_forward=True (the default), and 'gathered' is "
+                                        "a small column of the report",
+               "too_many_collectives": "this is a memory symptom; its units are the four blocks and the root, "
                                        "9 all-gathers and 5 reduce-scatters a step, not many small collectives",
+               "gathers_not_overlapped": "this is a memory symptom, and the plan keeps prefetch=True (the default)",
                "unreduced_gradient": "one backward per step: no gradient is kept between micro-batches",
-               "states_only_estimate": "the model states in the report do halve from 2 ranks to 4: the rest does not"},
+               "states_only_estimate": "the report is a measured run, not an estimate, and its params and optimizer "
+                                       "columns do halve from 2 ranks to 4: what holds the peak up is another column"},
               _peak_halved),
     "c": Case(dict(stage=3, units="linear"), "too_many_collectives",
               f"a step on {LINK} is much slower than DDP's, on a model that fits",
               {"unit_gathered_whole": "the report counts 18 units, none of them the whole model",
+               "weights_kept_gathered": "the plan keeps reshard_after_forward=True (the default), and keeping weights "
+                                        "gathered would save gathers, not add them",
                "activations": "this is a time symptom: the ledger shows ten times DDP's collectives",
+               "gathers_not_overlapped": "the plan keeps prefetch=True (the default): each gather starts while the "
+                                         "unit before it computes. Count what a step pays for: units and collectives",
                "unreduced_gradient": "one backward per step; the ledger shows a reduce-scatter per unit",
                "states_only_estimate": "nothing is estimated here: the step was timed"}, _fewer_units),
     "d": Case(dict(stage=3, sync_every_micro_batch=False), "unreduced_gradient",
               "between two micro-batches a rank holds 4 bytes of gradient per parameter, at any N",
               {"unit_gathered_whole": "the units are blocks, and what stays is gradient bytes, not gathered weights",
+               "weights_kept_gathered": "the plan keeps reshard_after_forward=True (the default), and what the report "
+                                        "counts is gradient bytes, not gathered weights",
+               "gathers_not_overlapped": "this is a memory symptom, and the plan keeps prefetch=True (the default)",
                "activations": "the report counts gradient bytes after the first micro-batch's backward, when its "
                               "activations are freed",
                "too_many_collectives": "this is a memory symptom; the ledger shows fewer reduce-scatters than usual",

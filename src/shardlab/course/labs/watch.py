@@ -4,9 +4,12 @@
 called it (``shardlab.comm``, ``torch.distributed``, or a name bound earlier with ``from
 torch.distributed import all_reduce``): it is the instruments' dispatcher recorder
 (:mod:`shardlab.instruments.collectives`), which sits under every Python API, where each c10d
-operation passes (PyTorch's own ``CommDebugMode`` counts collectives the same way). It also
-refuses, before they reach gloo, the calls whose buffers cannot fit (gloo aborts the process on
-some of them), with a hint in the lab's words.
+operation passes (PyTorch's own ``CommDebugMode`` counts collectives the same way). Beside the
+four the course uses (all-gather, reduce-scatter, all-reduce, broadcast) it notes the c10d
+operations no task calls for (``reduce``, ``gather``, ``scatter``, all-to-all, send and recv), so
+that a hint names them rather than saying no collective ran. It also refuses, before they reach
+gloo, the calls whose buffers cannot fit (gloo aborts the process on some of them), with a hint
+in the lab's words.
 
 :class:`Trace` records what happened to each unit, in order: gather, forward, free, backward,
 all_gather, reduce_scatter..., and the most units that held their full weights at once.
@@ -32,6 +35,19 @@ SWAPPED = ("your {kind}'s arguments look swapped: its output has {out} elements 
            "rank's shard of the sum, comm.all_gather(full, shard) writes the full buffer")
 
 
+#: c10d operations no lab task calls for, by the name a hint gives them, and what each does instead
+OTHERS = {"reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "alltoall_": "all_to_all",
+          "alltoall_base_": "all_to_all", "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+WHAT_OTHERS_DO = {
+    "reduce": "dist.reduce sums onto one rank (dst) only; the other ranks do not get the sum",
+    "gather": "dist.gather collects every shard on one rank (dst) only",
+    "scatter": "dist.scatter hands out one rank's pieces and sums nothing",
+    "all_to_all": "all-to-all swaps pieces between ranks and sums nothing",
+    "send": "send and recv move a tensor between two ranks only",
+    "recv": "send and recv move a tensor between two ranks only",
+}
+
+
 class Collectives(Recorder):
     """``with Collectives() as seen: fn(...)``; then ``seen.kinds()``, ``seen.log``, ``seen.ring_bytes()``.
 
@@ -40,27 +56,51 @@ class Collectives(Recorder):
     ``seen.ring_bytes()`` is the ring formula's bytes, (N-1)/N x volume x element size, not bytes
     measured on the wire. ``reduce_full``: the padded gradient's length the task reduce-scatters,
     so that a reduce-scatter of one shard of it is named as that (it fits on 4 ranks, not on 3).
+    ``seen.others``: the c10d operations outside the course's four (:data:`OTHERS`), as (kind,
+    elements); ``seen.kinds()`` lists both, in issue order.
     """
 
     def __init__(self, reduce_full: int | None = None):
         super().__init__()
         self.reduce_full = reduce_full
+        self.others: list[tuple[str, int]] = []
+        self._order: list[tuple[str, int]] = []  # (kind, elements of the full buffer), every call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func._opname in OTHERS:
+            call = (OTHERS[func._opname], numel_of(args[0]) if args else 0)
+            self.others.append(call)
+            self._order.append(call)
+            self.stream.append((call[0], self.unit))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _record(self, kind: str, op: str, args) -> None:
+        super()._record(kind, op, args)
+        self._order.append((kind, self.log[-1].numel))
+
+    def kinds(self) -> list[str]:
+        """Every collective's kind, in issue order, those outside the course's four included."""
+        return [kind for kind, _ in self._order]
+
+    def described(self) -> str:
+        """"all_gather of 16, reduce of 12": every collective and its full buffer's elements, or "none"."""
+        return ", ".join(f"{kind} of {numel}" for kind, numel in self._order) or "none"
 
     def check(self, kind: str, full, part) -> None:
         if kind not in ("all_gather", "reduce_scatter"):
             return
         n = dist.get_world_size()
+        if n > 1 and numel_of(full) and numel_of(part) == n * numel_of(full):
+            out, inp = (full, part) if kind == "all_gather" else (part, full)
+            raise Hint(SWAPPED.format(kind=kind.replace("_", "-"), out=numel_of(out), inp=numel_of(inp), n=n),
+                       mistake="swapped_arguments", broken=True)
         if kind == "reduce_scatter" and self.reduce_full and n > 1 \
                 and numel_of(full) == self.reduce_full // n != self.reduce_full:
             raise Hint(f"your reduce-scatter got {numel_of(full)} elements, one rank's shard of the padded "
                        f"{self.reduce_full}-element gradient: mean_grad_shard takes the whole padded "
                        "gradient and hands back this rank's shard; do not split it first",
-                       "pad, then pass the whole padded tensor (torch.cat of the shards) to the reduce-scatter",
+                       "pass the whole padded gradient to the reduce-scatter (in task 4: torch.cat of the shards)",
                        mistake="reduced_a_shard", broken=True)
-        if n > 1 and numel_of(full) and numel_of(part) == n * numel_of(full):
-            out, inp = (full, part) if kind == "all_gather" else (part, full)
-            raise Hint(SWAPPED.format(kind=kind.replace("_", "-"), out=numel_of(out), inp=numel_of(inp), n=n),
-                       mistake="swapped_arguments", broken=True)
         if numel_of(full) != n * numel_of(part):
             rule = ("all-gather fills full (world_size x shard elements) with every rank's shard"
                     if kind == "all_gather" else
@@ -75,6 +115,17 @@ class Collectives(Recorder):
                            "drop the padding after the gather)", mistake="collective_sizes", broken=True)
             raise Hint(SIZES.format(kind=kind.replace("_", "-"), got=got, rule=rule),
                        mistake="collective_sizes", broken=True)
+
+
+def refuse_others(seen: Collectives, task_words: str) -> None:
+    """A collective outside the course's four: named, on every rank alike (the same code ran on each),
+    before any rank judges its values (``dist.reduce`` leaves the right values on one rank only)."""
+    if seen.others:
+        kinds = list(dict.fromkeys(kind for kind, _ in seen.others))
+        raise Hint(f"your code called {', '.join(k.replace('_', '-') for k in kinds)}: "
+                   f"{'; '.join(dict.fromkeys(WHAT_OTHERS_DO[k] for k in kinds))}. {task_words}",
+                   "every rank passes its whole buffer to the same collective, and every rank gets its result",
+                   mistake="other_collective")
 
 
 def traffic(numel: int, element_size: int, n: int, kinds=("reduce_scatter", "all_gather")) -> int:
@@ -105,6 +156,22 @@ def _no_hook_argument(method: str, args) -> None:
                    mistake="method_as_hook")
 
 
+def cycle(log, unit_name: str, kinds) -> list[str]:
+    """What happened to one unit in ``log`` ((what, unit) pairs), of ``kinds``, with each gather the
+    learner started early (``gather(async_op=True)``, "prefetch") and then waited for (a plain
+    ``gather()`` or ``wait_gather()``) told as one "gather", where the wait was. A prefetch never
+    waited for stays in the list, as "prefetch"."""
+    seen = [w for w, u in log if u == unit_name and w in (*kinds, "prefetch", "gather", "wait")]
+    out = []
+    for i, w in enumerate(seen):
+        if w == "prefetch" and seen[i + 1:i + 2] in (["gather"], ["wait"]):
+            continue  # told at its wait
+        w = "gather" if w == "wait" else w
+        if w in kinds or w == "prefetch":
+            out.append(w)
+    return out
+
+
 def gathered(units) -> int:
     """How many units hold their full weights now (a gather in flight counts: its memory exists)."""
     return sum(u.holds_full for u in units)
@@ -123,25 +190,42 @@ class Trace:
         self.log: list[tuple[str, str]] = []
         self.most_gathered = gathered(self.units)
         self._handles = []
+        self._skip: tuple[str, ...] = ()
 
     def add(self, what: str, unit_name: str | None) -> None:
         self.log.append((what, unit_name))
         self.most_gathered = max(self.most_gathered, gathered(self.units))
 
     def watch(self, unit: FlatUnit, *, forward_check=None) -> None:
-        gather, free = unit.gather, unit.free
+        gather, free, wait_gather = unit.gather, unit.free, unit.wait_gather
+        inside = [False]  # gather() and free() call wait_gather() themselves: only the learner's own call counts
 
         def traced_gather(*args, async_op: bool = False):
             _no_hook_argument("gather", args)
-            gather(async_op=async_op)
+            inside[0] = True
+            try:
+                gather(async_op=async_op)
+            finally:
+                inside[0] = False
             self.add("prefetch" if async_op else "gather", unit.name)
 
         def traced_free(*args):
             _no_hook_argument("free", args)
             self.add("free", unit.name)  # before: the peak counts the unit that is being freed
-            free()
+            inside[0] = True
+            try:
+                free()
+            finally:
+                inside[0] = False
 
-        unit.gather, unit.free = traced_gather, traced_free
+        def traced_wait(*args):
+            _no_hook_argument("wait_gather", args)
+            waits = unit.gathering is not None and not inside[0]
+            wait_gather()
+            if waits:  # the learner waited for a gather it had started: that gather is done now
+                self.add("wait", unit.name)
+
+        unit.gather, unit.free, unit.wait_gather = traced_gather, traced_free, traced_wait
 
         def pre(module, args):
             if forward_check is not None:
@@ -152,14 +236,20 @@ class Trace:
                           unit.module.register_forward_hook(lambda m, a, o: self.add("forward_done", unit.name))]
 
     def on_event(self, name: str, fields: dict) -> None:
-        if name in (events.COMM, events.COMM_DONE):
+        if name in (events.COMM, events.COMM_DONE) and fields["kind"] not in self._skip:
             self.add(fields["kind"] + ("" if name == events.COMM else "_done"), fields.get("unit"))
 
-    def listen(self):
+    def listen(self, skip=()):
+        """Record the engine's ``comm`` events, except those of the kinds in ``skip`` (which a
+        check records another way)."""
+        self._skip = tuple(skip)
         return events.listen(self.on_event)
 
     def of(self, unit_name: str, kinds=None) -> list[str]:
         return [w for w, u in self.log if u == unit_name and (kinds is None or w in kinds)]
+
+    def cycle(self, unit_name: str, kinds) -> list[str]:
+        return cycle(self.log, unit_name, kinds)
 
     def close(self) -> None:
         for h in self._handles:
