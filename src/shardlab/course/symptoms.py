@@ -2,7 +2,7 @@
 
 A *run* is a plan (stage, units, options, batch) of the course GPT, trained a step or two,
 with an instrument around it: :func:`peak` (memory by category over one step,
-``track_memory``), :func:`accumulate` (the gradient bytes held between two micro-batches, and
+``track_memory``, with one more sample right after the loss), :func:`accumulate` (the gradient bytes held between two micro-batches, and
 the ledger of the step), :func:`link_times` (step times on an emulated link, and optionally
 without it, with the link time booked by the emulator, and one step's bytes on the wire). Every number they return was measured
 on this rank, except these, each tagged ``Formula``: the ledger's ``ring_*`` bytes and
@@ -29,6 +29,7 @@ from shardlab import models
 from shardlab.course import measure
 from shardlab.engine import comm
 from shardlab.engine.api import engine_of, full_state_dict
+from shardlab.instruments.measured import Measured
 from shardlab.instruments.memory import memory_report, track_memory
 from shardlab.instruments.timeline import trace
 from shardlab.instruments.traffic import count_comm
@@ -57,21 +58,40 @@ def _batches(model, plan: dict, steps: int) -> list:
 def peak(plan: dict, samples: bool = False) -> dict:
     """One step after a warm-up, under ``track_memory``: the peak and what made it.
 
+    The step is :func:`measure.train_step`'s, written out so that one more sample is taken
+    right after the loss and before ``backward`` (event and phase ``"loss"``): no engine event
+    fires there, and it is when the loss's saved log-softmax (4·b·T·vocab bytes) and every
+    activation of the forward are held at once. The other samples are ``track_memory``'s: each
+    engine event and the model's forward start and end. Nothing is sampled inside an operation.
+
     Returns ``total`` (bytes at the peak sample), ``at_peak`` (its bytes by category),
     ``peak_at`` (when it came: the sample's ``phase``, engine ``event`` and ``unit``, since two
-    runs' peaks can fall at different moments of the step), ``gathered`` and ``activations``
-    (the most of each at any moment), ``at_rest`` (params, grads and optimizer after the step),
-    ``psi``, ``world_size`` and, with ``samples``, the samples ``plots.memory_over_time`` draws.
+    runs' peaks can fall at different moments of the step), ``at_loss`` (the loss sample's bytes
+    by category, and its ``total``), ``logits`` (the bytes of the model's output, measured on its
+    storage: alive until the loss returns, and not in any category, since autograd does not save
+    it), ``gathered`` and ``activations`` (the most of each at any moment), ``at_rest`` (params,
+    grads and optimizer after the step), ``psi``, ``world_size`` and, with ``samples``, the
+    samples ``plots.memory_over_time`` draws.
     """
     model, optimizer = build(plan)
     batches = _batches(model, plan, 2)
     measure.train_step(model, optimizer, *batches[0])  # Adam's state exists from here on
-    with track_memory(model, optimizer) as mem:
-        measure.train_step(model, optimizer, *batches[1])
+    x, y = batches[1]
+    with track_memory(model, optimizer) as mem:  # measure.train_step's step, with one more sample
+        logits = model(x)
+        logits_bytes = Measured(logits.untyped_storage().nbytes(), by="untyped_storage().nbytes()")
+        loss = models.lm_loss(logits, y)
+        del logits  # as in train_step: the loss keeps its log-softmax, not the logits
+        mem.sample("loss", {"phase": "loss"})  # no engine event fires between the loss and backward's first
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     rest = memory_report(model, optimizer)
+    at_loss = next(s for s in mem.samples if s["event"] == "loss")
     return dict(total=mem.peak["total"], at_peak=dict(mem.peak["bytes"]),
                 peak_at={k: mem.peak[k] for k in ("phase", "event", "unit")}, gathered=mem.peak_of("gathered"),
-                activations=mem.peak_of("activations"), psi=_psi(plan),
+                activations=mem.peak_of("activations"), at_loss=dict(at_loss["bytes"], total=at_loss["total"]),
+                logits=logits_bytes, psi=_psi(plan),
                 at_rest={k: rest[k] for k in ("params", "grads", "optimizer")},
                 world_size=dist.get_world_size(), samples=mem.samples if samples else None)
 

@@ -270,9 +270,16 @@ def track_memory(model: nn.Module | None = None, optimizer=None):
     ``with shardlab.track_memory(model, optimizer) as mem:`` around a step, then ``mem.peak``
     (the sample with most bytes) and ``plots.memory_over_time(mem.samples)``.
 
-    Samples are taken at each engine event (gather, forward, free, reduce-scatter, step) and
-    at the model's forward start and end. With no ``model``, the one parallelized model alive
-    is used. On CUDA, samples also hold ``torch.cuda.memory_allocated()`` and ``mem.cuda_peak``
+    Samples are taken at each engine event (a unit's forward and backward start and end, a
+    free, a collective issued and landed, the optimizer step's start and end), at the model's
+    forward start and end, and at the block's start and end: nowhere else. In particular no
+    sample falls between the model's forward end and backward's first event, where a loss
+    computed outside the model holds its saved buffers (a log-softmax: 4·b·T·vocab bytes) on
+    top of every activation; call ``mem.sample("loss")`` there to count that moment
+    (``shardlab.course.symptoms.peak`` does). Nothing is sampled inside an operation, and a
+    tensor that is neither the engine's, the optimizer's nor saved for backward (the logits
+    inside the loss, a gradient being computed) is in no category. With no ``model``, the one
+    parallelized model alive is used. On CUDA, samples also hold ``torch.cuda.memory_allocated()`` and ``mem.cuda_peak``
     the allocator's peak: a cross-check (the allocator also holds workspaces, fragmentation).
     """
     if model is None:
