@@ -87,6 +87,13 @@ def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names
         {"cell_type": "markdown", "source": ["text"]},
         {"cell_type": "code", "source": ["runs = cluster.run(len)\n", "left = [0]\n", "late = undefined_name + 1\n"]},
         {"cell_type": "code", "source": ["x = 1\n", "def f(t):\n", "    left[0] += 1\n", "    return pad(t, (0, 1)).view(7)\n"]},
+        # one line, two statements: the import is kept, the cluster is not (no whole-line copies);
+        # a self-test that calls the learner's own function, and `count += 1` with count never
+        # defined, would run (or fail) at import on every rank: both are left out
+        {"cell_type": "code", "source": ["import os; cluster2 = start_cluster(4)\n",
+                                         "y = 1; runs2 = cluster.run(f)\n",
+                                         "shards = f(torch.zeros(6))\n", "count += 1\n",
+                                         "total = 0\n", "total += x\n", "key = lambda t: f(t)\n"]},
     ]}
     path = tmp_path / "learner.ipynb"
     path.write_text(json.dumps(nb))
@@ -94,15 +101,15 @@ def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names
     text = script.read_text()
     assert "pad = torch.nn.functional.pad" in text and "left = [0]" in text and "x = 1" in text
     assert "start_cluster" not in text and "cluster.run" not in text and "undefined_name" not in text
+    assert "import os" in text and "y = 1" in text and "total += x" in text and "key = lambda" in text
+    assert "shards" not in text and "count" not in text
     namespace = {}
     exec(compile(text, str(script), "exec"), namespace)
+    assert namespace["left"] == [0] and namespace["total"] == 1 and namespace["y"] == 1
     assert namespace["f"](torch.zeros(6)).shape == (7,) and namespace["left"] == [1]
-    try:
+    with pytest.raises(RuntimeError) as info:  # view(7) of 3 elements
         namespace["f"](torch.zeros(2))
-    except RuntimeError as exc:
-        assert _where(exc, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
-    else:
-        raise AssertionError("view(7) of 3 elements must raise")
+    assert _where(info.value, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
 
 
 # ---- the command line: check and grade on fresh local ranks ----------------------------------
