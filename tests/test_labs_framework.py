@@ -112,6 +112,30 @@ def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names
     assert _where(info.value, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
 
 
+def _last_has_no_next(units, x):
+    return units[len(units)]
+
+
+def _a_tensor_index(units, x):
+    return torch.zeros(2)[5]
+
+
+def _a_list_of_its_own(units, x):
+    sizes = []
+    return sizes[0]
+
+
+@pytest.mark.parametrize("fn, named", [(_last_has_no_next, True), (_a_tensor_index, False), (_a_list_of_its_own, False)])
+def test_lab5_says_past_the_end_only_for_an_index_into_the_units(fn, named):
+    """lab 5 tells an IndexError as "the last unit has no next one" only when the learner's line
+    indexes the unit list; any other is told as it is, with its line."""
+    from shardlab.course.labs.lab5 import _past_the_end
+
+    with pytest.raises(IndexError) as info:
+        fn([1, 2], None)
+    assert _past_the_end(info.value, fn) is named
+
+
 # ---- the command line: check and grade on fresh local ranks ----------------------------------
 
 def _cli(*args, timeout):
