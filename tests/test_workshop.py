@@ -275,3 +275,31 @@ def test_seat_sh_says_so_when_it_cannot_clear_the_outputs(tmp_path):
     out = seat(tmp_path, env=env, script=fake_kit(tmp_path) / "workshop" / "seat.sh")
     assert out.returncode == 0, out.stderr
     assert "warning: could not clear the notebooks' outputs" in out.stderr
+
+
+def test_room_memory_skips_a_process_that_ends_while_it_is_read():
+    """An engine that exits between the listing and the reading of its command line is left out,
+    not a NoSuchProcess that ends the sizing run."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import psutil
+
+    spec = importlib.util.spec_from_file_location("room_memory", WORKSHOP / "room_memory.py")
+    room_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(room_memory)
+
+    class Ending:
+        pid = 4242
+
+        def memory_full_info(self):
+            return SimpleNamespace(rss=10**6, pss=0, uss=0)
+
+        def cmdline(self):
+            raise psutil.NoSuchProcess(self.pid)
+
+    class Running(Ending):
+        def cmdline(self):
+            return ["python", "-m", "engine"]
+
+    assert room_memory._sum([Ending(), Running()]) == {"rss": 10**6, "pss": 0, "uss": 0}
