@@ -62,7 +62,7 @@ lab: $(VENV)/.installed
 
 # `make test`, in three steps, so that no notebook runs twice:
 #   1. every notebook under nbval, with the website's settings (the widgets' plain-text fallback),
-#      each executed copy kept for the site (conftest.py's --site-copies);
+#      each executed copy kept for the site (website/nbval_copies.py's --site-copies);
 #   2. the website from those copies (website/build.py reuses them: no notebook runs again);
 #   3. the test suite (tests/test_site.py reads that site; tests/test_browser.py runs the widgets
 #      in chromium) and every lab, solutions and student versions, under nbval.
@@ -78,7 +78,7 @@ PYTEST_WORKERS ?= 3
 NBVAL_ARGS = --nbval-lax --nbval-cell-timeout=120
 
 test: $(VENV)/.site-installed
-	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) --site-copies=_build/executed/notebooks)
+	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) -p website.nbval_copies --site-copies=_build/executed/notebooks)
 	$(BIN)/python website/build.py
 	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadfile
 

@@ -202,9 +202,11 @@ def uncounted_at_collectives(stages) -> dict:
     """At each unit's collective, issued (``COMM``) and landed (``COMM_DONE``): the bytes of live
     flat buffers and shards of a unit that the memory tally does not count, found by ``gc``.
 
-    The garbage collector sees every tensor alive, locals of the engine included, so it is a
-    ground truth the tally is checked against: any fp32 tensor with storage of its own the size
-    of a unit's padded buffer or of its shard is a gradient buffer, a gathered unit or a master.
+    The garbage collector sees every tensor object Python holds, locals of the engine included
+    (not a tensor only C++ holds: autograd's accumulation buffers, a gloo work's copies), so for
+    what the engine keeps it is a ground truth the tally is checked against: any fp32 tensor with
+    storage of its own the size of a unit's padded buffer or of its shard is a gradient buffer, a
+    gathered unit or a master.
     """
     return {stage: _uncounted_in_one_step(stage) for stage in stages}
 
@@ -231,11 +233,12 @@ def _uncounted_in_one_step(stage: int) -> list[tuple]:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gc.collect()
-    earlier = set(_buffers_alive())  # earlier stages' models, if still alive (they stay so: no address reuse)
+    before = _buffers_alive()  # earlier stages' models, if still alive (they stay so: no address reuse)
     torch.manual_seed(0)
     model, opt = shardlab.parallelize(gpt(MODEL, **MODEL_KW), stage=stage, optimizer_cls=torch.optim.AdamW, lr=1e-3)
     units = shardlab.engine_of(model).units
     sizes = {u.padded_numel for u in units} | {u.shard_numel for u in units}
+    earlier = {key for key, nbytes in before.items() if nbytes // 4 in sizes}  # masks only buffers of these sizes
     _step(model, opt, 0, rank, world_size)
     opt.zero_grad()
     missed = []

@@ -65,6 +65,11 @@ def split_pads_by_the_remainder(flat, world_size):  # numel % N zeros, not (-num
     return list(torch.nn.functional.pad(flat, (0, flat.numel() % world_size)).chunk(world_size))
 
 
+def split_pads_an_extra_row(flat, world_size):  # a row more "to be safe", cut by the unpadded shard size
+    shard = -(-flat.numel() // world_size)
+    return list(torch.nn.functional.pad(flat, (0, (-flat.numel()) % world_size + world_size)).split(shard))
+
+
 # -- gather_full --------------------------------------------------------------------------------
 def gather_keeps_padding(shard, numel, world_size):
     full = torch.empty(world_size * shard.numel())
@@ -302,6 +307,8 @@ WRONG = {  # case: (task, wrong answer, the mistake the check must name, words i
     "padded by the remainder": (PAD, split_pads_by_the_remainder, "wrong_pad_count", "you padded 10 elements to 11"),
     "pieces of ceil(numel/N), the last one padded": (PAD, split_pads_the_last_piece, "too_few_pieces",
                                                      "7 elements on 5 ranks gave 4 shards of 2, not 5"),
+    "an extra row, cut by the unpadded size": (PAD, split_pads_an_extra_row, "too_much_padding",
+                                               "you padded 10 elements to 16: a multiple of 4, but not the next one"),
     "gather keeps the padding": (GATHER, gather_keeps_padding, "kept_padding", "drop the padding"),
     "gather drops the front": (GATHER, gather_drops_the_front, "dropped_front", "the padding is the last"),
     "gather interleaves": (GATHER, gather_interleaved, "wrong_order", "pieces are in the wrong order"),

@@ -178,6 +178,18 @@ def test_cells_run_on_every_rank_and_state_stays_between_cells(cluster, capsys):
         cluster.pull("no_such_variable")
 
 
+def test_a_ranks_cell_is_named_as_ipython_names_the_running_cell():
+    """IPython 9 counts a cell before running it: in In [10], ``execution_count`` is already 11.
+    The name comes from the running cell's result, as IPython's own tracebacks do."""
+    from types import SimpleNamespace
+
+    from shardlab.cluster.magic import cell_name
+
+    running = SimpleNamespace(execution_count=11, displayhook=SimpleNamespace(exec_result=SimpleNamespace(execution_count=10)))
+    assert cell_name(running) == "Cell In[10]"
+    assert cell_name(SimpleNamespace(execution_count=10)) == "Cell In[10]"  # a shell without a displayhook
+
+
 def test_ranks_magic(cluster, capsys, monkeypatch):
     """The %%ranks cell magic (the notebook runs it in a real kernel; here a stand-in shell,
     so that this test leaves no IPython instance behind for the other tests)."""

@@ -87,6 +87,13 @@ def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names
         {"cell_type": "markdown", "source": ["text"]},
         {"cell_type": "code", "source": ["runs = cluster.run(len)\n", "left = [0]\n", "late = undefined_name + 1\n"]},
         {"cell_type": "code", "source": ["x = 1\n", "def f(t):\n", "    left[0] += 1\n", "    return pad(t, (0, 1)).view(7)\n"]},
+        # one line, two statements: the import is kept, the cluster is not (no whole-line copies);
+        # a self-test that calls the learner's own function, and `count += 1` with count never
+        # defined, would run (or fail) at import on every rank: both are left out
+        {"cell_type": "code", "source": ["import os; cluster2 = start_cluster(4)\n",
+                                         "y = 1; runs2 = cluster.run(f)\n",
+                                         "shards = f(torch.zeros(6))\n", "count += 1\n",
+                                         "total = 0\n", "total += x\n", "key = lambda t: f(t)\n"]},
     ]}
     path = tmp_path / "learner.ipynb"
     path.write_text(json.dumps(nb))
@@ -94,15 +101,39 @@ def test_a_notebook_submission_keeps_the_assignments_its_functions_use_and_names
     text = script.read_text()
     assert "pad = torch.nn.functional.pad" in text and "left = [0]" in text and "x = 1" in text
     assert "start_cluster" not in text and "cluster.run" not in text and "undefined_name" not in text
+    assert "import os" in text and "y = 1" in text and "total += x" in text and "key = lambda" in text
+    assert "shards" not in text and "count" not in text
     namespace = {}
     exec(compile(text, str(script), "exec"), namespace)
+    assert namespace["left"] == [0] and namespace["total"] == 1 and namespace["y"] == 1
     assert namespace["f"](torch.zeros(6)).shape == (7,) and namespace["left"] == [1]
-    try:
+    with pytest.raises(RuntimeError) as info:  # view(7) of 3 elements
         namespace["f"](torch.zeros(2))
-    except RuntimeError as exc:
-        assert _where(exc, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
-    else:
-        raise AssertionError("view(7) of 3 elements must raise")
+    assert _where(info.value, {str(script)}) == " (line 4 of code cell 3 in learner.ipynb)"
+
+
+def _last_has_no_next(units, x):
+    return units[len(units)]
+
+
+def _a_tensor_index(units, x):
+    return torch.zeros(2)[5]
+
+
+def _a_list_of_its_own(units, x):
+    sizes = []
+    return sizes[0]
+
+
+@pytest.mark.parametrize("fn, named", [(_last_has_no_next, True), (_a_tensor_index, False), (_a_list_of_its_own, False)])
+def test_lab5_says_past_the_end_only_for_an_index_into_the_units(fn, named):
+    """lab 5 tells an IndexError as "the last unit has no next one" only when the learner's line
+    indexes the unit list; any other is told as it is, with its line."""
+    from shardlab.course.labs.lab5 import _past_the_end
+
+    with pytest.raises(IndexError) as info:
+        fn([1, 2], None)
+    assert _past_the_end(info.value, fn) is named
 
 
 # ---- the command line: check and grade on fresh local ranks ----------------------------------

@@ -208,3 +208,46 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="parallelized models"):
         with shardlab.track_memory():
             pass
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _in_flight_across_models():
+    """Two models of one architecture (units ``blocks.0``, ``blocks.1`` in both): a gather of the
+    first's unit in flight, each model's gathered bytes; then a collective whose call raised."""
+    from shardlab.engine import comm
+    from shardlab.engine.api import engine_of
+    from shardlab.instruments.memory import memory_report
+
+    a, _ = shardlab.parallelize(_Pair(), stage=3)
+    b, _ = shardlab.parallelize(_Pair(), stage=3)
+    before = memory_report(a)["gathered"], memory_report(b)["gathered"]
+    unit = engine_of(a).units[0]
+    unit.gather(async_op=True)
+    during = memory_report(a)["gathered"], memory_report(b)["gathered"]
+    unit.wait_gather()
+    unit.free()
+    try:  # 3 is not 2 x 2 elements: the call raises on every rank, before anything is sent
+        comm.all_gather(torch.empty(3), torch.zeros(2))
+    except (RuntimeError, ValueError) as exc:
+        held = exc  # its traceback keeps _issue's frame, and so the Pending, alive
+    return before, during, unit.full.element_size() * unit.padded_numel, len(comm.in_flight()), held is not None
+
+
+def test_a_collective_in_flight_counts_for_its_own_model_only():
+    """The tally matches a collective to a unit by the unit object: a gather of model A's
+    ``blocks.0`` in flight is A's gathered weights, not B's (B has a ``blocks.0`` too). A call
+    that raised is not in flight, though its traceback still holds it."""
+    from support import slowdown
+
+    for before, during, full_bytes, listed, raised in run_ranks(_in_flight_across_models, 2, timeout=slowdown(120)):
+        assert during[0] == before[0] + full_bytes  # A: the unit being gathered
+        assert during[1] == before[1]                # B: nothing of A's
+        assert raised and listed == 0

@@ -131,6 +131,8 @@ def test_notebook_page_shows_every_output(browser, notebook):
             has_error = out.locator(".traceback").count() > 0 or "Traceback (most recent call last)" in shown_text
             assert has_error == expected, (f"{page_path}, code cell {i}: " + (
                 "the error this cell shows on purpose is missing" if expected else f"an error: {shown_text[-600:]}"))
+            if expected:  # named as the page labels the cell (nbval alone numbers every cell In[1])
+                assert f"Cell In[{i + 1}]" in shown_text, f"{page_path}, code cell {i}: its traceback names another cell"
         text = page.inner_text("article")
         for words in BROKEN_WIDGET:
             assert words not in text, f"{page_path}: a widget did not fall back to text ({words!r})"
@@ -149,7 +151,7 @@ def test_notebook_page_shows_every_output(browser, notebook):
 
 def test_each_page_is_the_nbval_run_of_todays_notebook():
     """`make test` runs each notebook once: nbval's run, with the site's settings, is what the
-    page shows (conftest.py's --site-copies), and a copy's key names the notebook and package
+    page shows (website/nbval_copies.py's --site-copies), and a copy's key names the notebook and package
     that are here now."""
     _site_or_skip()
     import importlib.util

@@ -212,8 +212,12 @@ def test_a_learner_seats_themselves_with_one_command_and_a_rerun_reuses_the_job(
         again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=slowdown(120))
         assert again.returncode == 0 and f"seated {me}: job {jobs[0]} again" in again.stdout, again.stdout + again.stderr
         assert seat in again.stdout
-        queued = subprocess.run(["squeue", "-h", "-n", f"shardlab-{me}", "-o", "%i"], capture_output=True, text=True)
-        assert queued.stdout.split() == [jobs[0]], "a rerun submitted a second server"
+        # this copy's jobs only: another run's job of the same name has another working copy
+        queued = subprocess.run(["squeue", "-h", "-u", me, "-n", f"shardlab-{me}", "-o", "%i %Z"],
+                                capture_output=True, text=True).stdout.splitlines()
+        copy = str((tmp_path / "room" / me).resolve())
+        assert [line.split()[0] for line in queued if line.split()[1:] == [copy]] == [jobs[0]], \
+            "a rerun submitted a second server"
     finally:
         cancel(*jobs)
 

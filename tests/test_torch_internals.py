@@ -2,7 +2,8 @@
 
 ``instruments/fsdp2.py`` wraps FSDP2's parameter-group methods and reads its training state;
 ``instruments/collectives.py`` reads a ReduceOp's TorchScript type name; ``course/symptoms.py``
-reads the default group's timeout; the fake-GPU tests (``fake_gpu_worker.py``,
+reads the default group's timeout; ``course/labs/judge.py`` finds backward by autograd's frame
+``_engine_run_backward``; the fake-GPU tests (``fake_gpu_worker.py``,
 ``test_fake_cuda.py``) register torch's Python stand-in accelerator and make fake tensors and a
 fake process group (the names are listed in ``private_torch.py``). None of them is public API (tested on torch 2.13): when an
 upgrade renames one, this test names it, instead of an AttributeError deep in a live run.
@@ -35,3 +36,12 @@ def test_the_reduce_op_and_group_internals():
 def test_the_private_names_the_fake_gpu_tests_use():
     gone = lacking(FAKE_GPU)
     assert not gone, f"{WHERE}: lacks {gone}; test_fake_cuda.py and fake_gpu_worker.py need them"
+
+
+def test_the_frame_the_lab_judge_finds_backward_by():
+    import torch.autograd.graph as graph
+
+    from shardlab.course.labs.judge import AUTOGRAD_ENTRY
+
+    assert callable(getattr(graph, AUTOGRAD_ENTRY, None)), \
+        f"{WHERE}: torch.autograd.graph.{AUTOGRAD_ENTRY} is gone (course/labs/judge.py finds backward by it)"

@@ -172,20 +172,40 @@ def test_the_site_hook_runs_before_the_environment(tmp_path):
 
 def fake_slurm(tmp_path: Path, queued: str = "") -> dict:
     """seat.sh's view of SLURM: an sbatch that records its arguments and answers job 4242, and a
-    squeue that lists ``queued`` (a job id) for any question."""
+    squeue that knows one job, ``queued``: asked about a job id, it lists it if it is that one;
+    asked about a user or a job name, it lists ``queued`` whatever the name or room."""
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path / "sbatch-calls"}\necho 4242\n')
-    (bin_dir / "squeue").write_text(f'#!/bin/bash\n[ -n "{queued}" ] && echo {queued}\nexit 0\n')
+    (bin_dir / "squeue").write_text(
+        '#!/bin/bash\njob=""\nwhile [ $# -gt 0 ]; do [ "$1" = -j ] && job=$2; shift; done\n'
+        f'[ -n "{queued}" ] || exit 0\n'
+        f'if [ -n "$job" ]; then [ "$job" != "{queued}" ] || echo RUNNING; else echo {queued}; fi\nexit 0\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHARDLAB_ENV": sys.prefix,
             "HOME": str(tmp_path / "home"), "USER": "ada"}
 
 
-def seat(tmp_path: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(WORKSHOP / "seat.sh"), "--room", str(tmp_path / "room"), "--no-wait", *args],
+def seat(tmp_path: Path, *args: str, env: dict, room: str = "room",
+         script: Path = WORKSHOP / "seat.sh") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), "--room", str(tmp_path / room), "--no-wait", *args],
                           env=env, capture_output=True, text=True, timeout=slowdown(120))
+
+
+def fake_kit(tmp_path: Path) -> Path:
+    """A shared checkout whose notebook holds an instructor's outputs (no committed notebook has
+    any): workshop/seat.sh, and notebooks/06_real_gpus.ipynb with one code cell run as In [3]."""
+    kit = tmp_path / "kit"
+    for folder in ("workshop", "notebooks", "labs", "docs"):
+        (kit / folder).mkdir(parents=True)
+    (kit / "workshop" / "seat.sh").write_text((WORKSHOP / "seat.sh").read_text())
+    output = {"output_type": "stream", "name": "stdout", "text": ["the instructor's answer\n"]}
+    book = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "id": "c1", "metadata": {}, "execution_count": 3, "source": ["print(1)"],
+         "outputs": [output]}]}
+    (kit / "notebooks" / "06_real_gpus.ipynb").write_text(json.dumps(book))
+    return kit
 
 
 def test_seat_sh_refuses_to_seat_someone_else_under_your_account(tmp_path):
@@ -215,15 +235,71 @@ def test_seat_sh_seats_the_caller_with_a_time_counted_to_the_end_of_the_day(tmp_
     assert call.index("--time=") < call.index("--partition=cpu")  # the learner's own arguments come last, and win
     copy = tmp_path / "room" / "ada"
     assert (copy / "notebooks" / "00_start_here.ipynb").is_file() and f"--chdir={copy}" in call
-    book = json.loads((copy / "notebooks" / "06_real_gpus.ipynb").read_text())
-    assert all(c["outputs"] == [] for c in book["cells"] if c["cell_type"] == "code")
     out = seat(tmp_path, "--until", "00:00", env=env)
     assert out.returncode == 2 and "has already passed today" in out.stderr
 
 
-def test_seat_sh_run_again_reuses_the_queued_job(tmp_path):
-    """A second run while the learner's job is queued or running submits nothing: no second server."""
-    env = fake_slurm(tmp_path, queued="777")
-    out = seat(tmp_path, env=env)
+def test_seat_sh_run_again_reuses_the_queued_job_of_that_copy_only(tmp_path):
+    """A second run while the job this copy submitted is queued or running submits nothing: no
+    second server. A job of the same name from another room is another copy's server: the seat in
+    this room gets a job of its own, whose working copy is this one."""
+    env = fake_slurm(tmp_path, queued="4242")
+    first = seat(tmp_path, env=env)
+    assert first.returncode == 0 and "seated ada: job 4242, working copy" in first.stdout, first.stdout
+    again = seat(tmp_path, env=env)
+    assert again.returncode == 0 and "seated ada: job 4242 again" in again.stdout, again.stderr
+    assert len((tmp_path / "sbatch-calls").read_text().splitlines()) == 1
+    elsewhere = seat(tmp_path, env=env, room="scratch")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert f"seated ada: job 4242, working copy {tmp_path / 'scratch' / 'ada'}" in elsewhere.stdout
+    calls = (tmp_path / "sbatch-calls").read_text().splitlines()
+    assert len(calls) == 2 and f"--chdir={tmp_path / 'scratch' / 'ada'}" in calls[1]
+
+
+def test_seat_sh_copies_start_without_outputs(tmp_path):
+    """An instructor who ran a notebook in the shared checkout saved its outputs and predictions
+    there: a learner's fresh copy must not start with them."""
+    env = fake_slurm(tmp_path)
+    out = seat(tmp_path, env=env, script=fake_kit(tmp_path) / "workshop" / "seat.sh")
     assert out.returncode == 0, out.stderr
-    assert "seated ada: job 777 again" in out.stdout and not (tmp_path / "sbatch-calls").exists()
+    book = json.loads((tmp_path / "room" / "ada" / "notebooks" / "06_real_gpus.ipynb").read_text())
+    assert [(c["outputs"], c["execution_count"]) for c in book["cells"]] == [([], None)]
+    assert "warning" not in out.stderr
+
+
+def test_seat_sh_says_so_when_it_cannot_clear_the_outputs(tmp_path):
+    env = fake_slurm(tmp_path)
+    broken = tmp_path / "slurm-bin" / "python3"
+    broken.write_text("#!/bin/bash\nexit 127\n")
+    broken.chmod(0o755)
+    out = seat(tmp_path, env=env, script=fake_kit(tmp_path) / "workshop" / "seat.sh")
+    assert out.returncode == 0, out.stderr
+    assert "warning: could not clear the notebooks' outputs" in out.stderr
+
+
+def test_room_memory_skips_a_process_that_ends_while_it_is_read():
+    """An engine that exits between the listing and the reading of its command line is left out,
+    not a NoSuchProcess that ends the sizing run."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import psutil
+
+    spec = importlib.util.spec_from_file_location("room_memory", WORKSHOP / "room_memory.py")
+    room_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(room_memory)
+
+    class Ending:
+        pid = 4242
+
+        def memory_full_info(self):
+            return SimpleNamespace(rss=10**6, pss=0, uss=0)
+
+        def cmdline(self):
+            raise psutil.NoSuchProcess(self.pid)
+
+    class Running(Ending):
+        def cmdline(self):
+            return ["python", "-m", "engine"]
+
+    assert room_memory._sum([Ending(), Running()]) == {"rss": 10**6, "pss": 0, "uss": 0}

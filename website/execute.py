@@ -119,7 +119,7 @@ def save_copy(notebook: Path, nb, out_dir: Path, key: str, seconds: float, by: s
 
     ``key`` is :func:`key_of` taken before the run began (what ran, not what is there now).
     ``by`` names what ran it: ``nbclient`` (``make site``) or ``nbval`` (``make test``, whose run
-    of notebooks/ uses the same settings: the root conftest.py's ``--site-copies``). The copy is
+    of notebooks/ uses the same settings: website/nbval_copies.py's ``--site-copies``). The copy is
     written to a temporary name and renamed, so a run stopped half-way leaves no half a notebook.
     """
     meta = {"key": key, "seconds": round(seconds, 1), "ranks": ranks_of(nb), "by": by,

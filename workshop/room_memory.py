@@ -34,13 +34,13 @@ import shardlab
 def _sum(procs) -> dict:
     total = {"rss": 0, "pss": 0, "uss": 0}
     for p in procs:
-        try:
-            info = p.memory_full_info()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        try:  # a process may exit between the listing and here (an engine starting up)
+            info, command = p.memory_full_info(), " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         for key in total:
             total[key] += getattr(info, key, 0)
-        print(f"  pid {p.pid:>7}  {' '.join(p.cmdline())[:70]:70}  RSS {info.rss / 1e6:7.1f} MB")
+        print(f"  pid {p.pid:>7}  {command[:70]:70}  RSS {info.rss / 1e6:7.1f} MB")
     return total
 
 

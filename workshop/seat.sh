@@ -18,8 +18,8 @@
 # (copy workshop/seat.conf.example): the login host, the partition, when the day ends.
 # Your copy of notebooks/, labs/, docs/ and workshop/ goes to ROOM/<name> (default
 # ~/shardlab-room/<name>), made once, notebooks without outputs, and kept on later runs. A later
-# run reuses your job while it is queued or running (no second server), else submits a new one,
-# your work kept. GPU results are read from THIS checkout's workshop/recorded/gpu_results.json
+# run reuses the job this copy submitted (its id in ROOM/<name>/.seat-job) while it is queued or
+# running (no second server), else submits a new one, your work kept. GPU results are read from THIS checkout's workshop/recorded/gpu_results.json
 # (the job gets SHARDLAB_GPU_RESULTS), so a run recorded after seating reaches every seat.
 # Arguments after -- go to sbatch, after the room's, so they win. Your lines go to
 # ROOM/<name>/SEAT.txt and to standard output.
@@ -84,7 +84,7 @@ RESULTS=${SHARDLAB_GPU_RESULTS:-$HOME_DIR/workshop/recorded/gpu_results.json}
 # A fresh copy's notebooks start without outputs, whatever the shared checkout's files hold (an
 # instructor who ran a notebook there saved its outputs and predictions into it).
 clear_outputs() {
-    python3 - "$@" <<'PY' || true
+    python3 - "$@" <<'PY' || echo "warning: could not clear the notebooks' outputs in $copy (no python3?)" >&2
 import json, sys
 for path in sys.argv[1:]:
     try:
@@ -109,7 +109,13 @@ for name in "${NAMES[@]}"; do
         mapfile -t books < <(find "$copy/notebooks" "$copy/labs" -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*')
         [ ${#books[@]} -eq 0 ] || clear_outputs "${books[@]}"
     fi
-    running=$(squeue -h -u "$ME" -n "shardlab-$name" -o %i 2>/dev/null | head -n 1 || true)
+    # The job this copy submitted, by its id: a job of the same name seated in another room (or by
+    # another run) has another working copy, and its lines would not be this copy's.
+    running=""
+    if [ -s "$copy/.seat-job" ]; then
+        recorded=$(cat "$copy/.seat-job")
+        [ -z "$(squeue -h -u "$ME" -j "$recorded" -o %T 2>/dev/null || true)" ] || running=$recorded
+    fi
     if [ -n "$running" ]; then
         JOB[$name]=$running
         echo "seated $name: job $running again (queued or running already), working copy $copy"
@@ -120,6 +126,7 @@ for name in "${NAMES[@]}"; do
         ${TIME_ARG[@]+"${TIME_ARG[@]}"} ${SEAT_SBATCH_ARGS[@]+"${SEAT_SBATCH_ARGS[@]}"} \
         ${SBATCH_ARGS[@]+"${SBATCH_ARGS[@]}"} "$HOME_DIR/workshop/jupyter.sbatch")
     JOB[$name]=${JOB[$name]%%;*}
+    echo "${JOB[$name]}" > "$copy/.seat-job"
     echo "seated $name: job ${JOB[$name]}, working copy $copy"
 done
 [ "$WAIT" -gt 0 ] || exit 0

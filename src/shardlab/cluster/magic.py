@@ -9,6 +9,16 @@ passing how to find the current cluster, so this file needs nothing of ``core.py
 from __future__ import annotations
 
 
+def cell_name(shell) -> str:
+    """``Cell In[n]``, the name IPython gives the running cell in its tracebacks: the number of
+    the running cell's result (``displayhook.exec_result``). IPython 9 counts the cell before it
+    runs it, so ``shell.execution_count`` is already the next cell's number; a cell run without
+    history (``store_history=False``) takes no number, and its result holds the one it is named by."""
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(result, "execution_count", None)
+    return f"Cell In[{number if number is not None else getattr(shell, 'execution_count', '?')}]"
+
+
 def register_ranks_magic(shell, get_cluster) -> None:
     """Register ``%%ranks`` in IPython ``shell`` (None: not under IPython, nothing to do);
     ``get_cluster()`` returns the cluster a cell runs on when it runs."""
@@ -25,8 +35,7 @@ def register_ranks_magic(shell, get_cluster) -> None:
             raise UsageError(f"%%ranks [timeout seconds], got {line.strip()!r}") from None
         # Named as Jupyter names the cell, body from line 2: a rank's traceback shows
         # "Cell In[10], line 3" and the line, as a failing ordinary cell would.
-        name = f"Cell In[{getattr(shell, 'execution_count', '?')}]"
-        get_cluster().run_cell(cell, timeout, name=name, first_line=2)
+        get_cluster().run_cell(cell, timeout, name=cell_name(shell), first_line=2)
 
     shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
     shell._shardlab_magic = True

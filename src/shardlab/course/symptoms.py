@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from shardlab import models
 from shardlab.course import measure
-from shardlab.engine import comm
+from shardlab.engine import comm, missing_grads
 from shardlab.engine.api import engine_of, full_state_dict
 from shardlab.instruments.measured import Measured
 from shardlab.instruments.memory import memory_report, track_memory
@@ -139,17 +139,26 @@ def accumulate(plan: dict, micro_batches: int = 2) -> dict:
 def _full_grads(model) -> dict:
     """The reduced gradient the optimizer stepped, whole, keyed as ``model.state_dict()``: every
     unit's shards all-gathered (after the step and before ``zero_grad``; the step reads the
-    gradient, it does not change it). A unit no rank gave a gradient is left out."""
+    gradient, it does not change it). A parameter no rank gave a gradient is left out.
+
+    Every rank takes part in every sharded unit's all-gather: a rank whose master gradient is None
+    (every parameter with elements in its shard went unused) sends ``-0.0``, "no gradient"
+    (``missing_grads.py``); skipping the gather there would pair the other ranks' gathers with its
+    next unit's, or hang. The gathers are bookkeeping, not the step's traffic: no unit is named,
+    so no ledger or memory tally books them as a unit's."""
     by_id = {}
     for unit in engine_of(model).units:
-        grad = unit.master.grad
-        if grad is None:
+        grad, master = unit.master.grad, unit.master
+        if master.numel() != unit.padded_numel:  # a shard (stages 1-3): borrow the others', on every rank
+            shard = grad.detach() if grad is not None else \
+                torch.full((unit.shard_numel,), -0.0, dtype=master.dtype, device=master.device)
+            grad = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather(grad, shard, unit=None)
+        elif grad is None:  # stage 0: every rank holds the whole all-reduced gradient, or none
             continue
-        if grad.numel() != unit.padded_numel:  # a shard (stages 1-3): borrow the others'
-            full = torch.empty(unit.padded_numel, dtype=grad.dtype, device=grad.device)
-            comm.all_gather(full, grad.detach(), unit=unit.name)
-            grad = full
         for p, t in zip(unit.params, unit.views(grad)):
+            if t.numel() and bool(missing_grads.is_missing(t).all()):
+                continue  # no rank gave this parameter a gradient
             by_id[id(p)] = t.clone()
     return {name: by_id[id(t)] for name, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
 

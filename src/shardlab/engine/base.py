@@ -103,7 +103,7 @@ class Engine:
         self.units: list[FlatUnit] = []
         for index, (name, module, params) in enumerate(groups):
             unit = FlatUnit(name, params, rank=self.rank, world_size=self.world_size, index=index, module=module)
-            comm.broadcast(unit.full, src=0, unit=name)  # every rank starts from rank 0's weights
+            comm.broadcast(unit.full, src=0, unit=name, owner=unit)  # every rank starts from rank 0's weights
             unit.master = nn.Parameter(self.make_master(unit))
             unit.cast(param_dtype if self.mixed else unit.master_dtype)
             self.units.append(unit)

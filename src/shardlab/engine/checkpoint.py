@@ -265,7 +265,7 @@ def _apply(model, engine, opt, holds_full, meta, replicated, units) -> None:
         if full_params:  # gather the new shards, one unit at a time, into the full (maybe bf16) params
             if weights.numel() != unit.padded_numel:
                 shards, weights = weights, torch.empty(unit.padded_numel, dtype=weights.dtype, device=device)
-                comm.all_gather(weights, shards, unit=unit.name)
+                comm.all_gather(weights, shards, unit=unit.name, owner=unit)
             unit.load(unit.views(weights))
         else:
             unit.master.copy_(weights)

@@ -46,15 +46,34 @@ class Pending:
     sees the buffers, which are allocated then. (Registered any later, the sample at a
     reduce-scatter's own issue would miss the gradient buffer just packed for it, which the
     engine has not yet queued.)
+
+    ``unit`` is the name the events carry; ``owner`` the unit object itself, held weakly. Two
+    models of one architecture have units of the same names, so the memory tally matches a
+    collective to a unit by ``owner``, never by name.
     """
 
-    def __init__(self, kind: str, unit, buffers: tuple):
+    def __init__(self, kind: str, unit, buffers: tuple, owner=None):
         self.kind, self.unit = kind, unit
+        self._owner = weakref.ref(owner) if owner is not None else None
         self._buffers = buffers
         self._work = None
         self._event: dict | None = None
         self._number = next(_issued)
         _live[self._number] = self  # weakly: a Pending nobody holds leaves the list by itself
+
+    @property
+    def owner(self):
+        """The unit whose collective this is (None: no unit's, or a unit no longer alive)."""
+        return self._owner() if self._owner is not None else None
+
+    def announce(self, event: dict) -> None:
+        """Emit the ``COMM`` event; ``wait()`` emits its ``COMM_DONE``, with ``end`` added."""
+        self._event = event
+        events.emit(events.COMM, **event)
+
+    def started(self, work) -> None:
+        """The backend's handle of an async call: ``wait()`` waits on it."""
+        self._work = work
 
     def wait(self) -> None:
         if self._work is not None:
@@ -65,6 +84,11 @@ class Pending:
             event["end"] = time.perf_counter()
             events.emit(events.COMM_DONE, **event)
         self._buffers = ()  # landed and announced: the caller keeps what it still needs
+        _live.pop(self._number, None)
+
+    def _failed(self) -> None:
+        """The call raised: it is not in flight, whoever still holds it (a traceback's frame)."""
+        self._buffers, self._work, self._event = (), None, None
         _live.pop(self._number, None)
 
     @property
@@ -79,50 +103,57 @@ _issued = itertools.count()
 
 def in_flight() -> list[Pending]:
     """The collectives issued and not yet landed on this rank, oldest first (each with
-    ``kind``, ``unit`` and ``buffers``). Memory instruments count their buffers."""
+    ``kind``, ``unit``, ``owner`` and ``buffers``). Memory instruments count their buffers."""
     return [p for _, p in sorted(_live.items())]
 
 
-def _issue(kind, fn, out, inp, *, unit, async_op, **kw) -> Pending:
-    pending = Pending(kind, unit, tuple(t for t in (out, inp) if t is not None))
-    if events.active():
-        pending._event = dict(
-            kind=kind,
-            numel=(inp if kind == "reduce_scatter" else out).numel(),  # the full buffer
-            dtype=out.dtype,
-            device=out.device.type,  # cuda: NCCL carries it, no socket of this process does
-            world_size=dist.get_world_size(),
-            unit=unit,
-            start=time.perf_counter(),
-            phase=events.phase,
-        )
-        events.emit(events.COMM, **pending._event)
-    work = fn(*pending.buffers, async_op=async_op, **kw)
+def _issue(kind, fn, out, inp, *, unit, owner, async_op, **kw) -> Pending:
+    pending = Pending(kind, unit, tuple(t for t in (out, inp) if t is not None), owner)
+    try:
+        if events.active():
+            pending.announce(dict(
+                kind=kind,
+                numel=(inp if kind == "reduce_scatter" else out).numel(),  # the full buffer
+                dtype=out.dtype,
+                device=out.device.type,  # cuda: NCCL carries it, no socket of this process does
+                world_size=dist.get_world_size(),
+                unit=unit,
+                start=time.perf_counter(),
+                phase=events.phase,
+            ))
+        work = fn(*pending.buffers, async_op=async_op, **kw)
+    except BaseException:
+        pending._failed()
+        raise
     if async_op:
-        pending._work = work
+        pending.started(work)
     else:
         pending.wait()
     return pending
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, *, unit=None, async_op=False) -> Pending:
-    """Fill ``full`` (N x len(shard) elements) with every rank's ``shard``, in rank order."""
-    return _issue("all_gather", _all_gather, full, shard, unit=unit, async_op=async_op)
+def all_gather(full: torch.Tensor, shard: torch.Tensor, *, unit=None, owner=None, async_op=False) -> Pending:
+    """Fill ``full`` (N x len(shard) elements) with every rank's ``shard``, in rank order.
+
+    ``unit``: the name the events carry; ``owner``: the unit object (the memory tally's match)."""
+    return _issue("all_gather", _all_gather, full, shard, unit=unit, owner=owner, async_op=async_op)
 
 
-def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, *, unit=None, async_op=False) -> Pending:
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, *, unit=None, owner=None, async_op=False) -> Pending:
     """Put into ``shard`` this rank's slice of the SUM over ranks of ``full``. Caller divides."""
-    return _issue("reduce_scatter", _reduce_scatter, shard, full, unit=unit, async_op=async_op, op=dist.ReduceOp.SUM)
+    return _issue("reduce_scatter", _reduce_scatter, shard, full, unit=unit, owner=owner, async_op=async_op,
+                  op=dist.ReduceOp.SUM)
 
 
-def all_reduce(tensor: torch.Tensor, *, unit=None, async_op=False) -> Pending:
+def all_reduce(tensor: torch.Tensor, *, unit=None, owner=None, async_op=False) -> Pending:
     """Replace ``tensor`` by its SUM over ranks, in place. Caller divides."""
-    return _issue("all_reduce", dist.all_reduce, tensor, None, unit=unit, async_op=async_op, op=dist.ReduceOp.SUM)
+    return _issue("all_reduce", dist.all_reduce, tensor, None, unit=unit, owner=owner, async_op=async_op,
+                  op=dist.ReduceOp.SUM)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, *, unit=None) -> Pending:
+def broadcast(tensor: torch.Tensor, src: int = 0, *, unit=None, owner=None) -> Pending:
     """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
-    return _issue("broadcast", dist.broadcast, tensor, None, unit=unit, async_op=False, src=src)
+    return _issue("broadcast", dist.broadcast, tensor, None, unit=unit, owner=owner, async_op=False, src=src)
 
 
 # -- bookkeeping: what the instruments, the course and the bench need to line ranks up -----------

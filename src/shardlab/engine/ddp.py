@@ -41,7 +41,7 @@ class DataParallel(Engine):
         """Sum every rank's gradients with one all-reduce per unit (divided when it lands)."""
         grad = unit.pack_grads(self.reduce_dtype)
         unit.set_param_grads(None)  # packed: the per-parameter copies can go (views come back after backward)
-        return Reduction(unit, comm.all_reduce(grad, unit=unit.name, async_op=True), grad)
+        return Reduction(unit, comm.all_reduce(grad, unit=unit.name, owner=unit, async_op=True), grad)
 
     def keep_grads(self, reduction: Reduction) -> None:
         """The landed SUM, divided by N (the course sums and divides on every backend), is the gradient."""

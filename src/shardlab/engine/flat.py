@@ -141,7 +141,7 @@ class FlatUnit:
         if self.state is UnitState.SHARDED:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
             shard = self.master.detach().to(self.full.dtype)
-            self._gathering = comm.all_gather(self._comm_full, shard, unit=self.name, async_op=True)
+            self._gathering = comm.all_gather(self._comm_full, shard, unit=self.name, owner=self, async_op=True)
             self.state = UnitState.GATHERING
         if not async_op:
             self.wait_gather()
@@ -238,7 +238,7 @@ class FlatUnit:
     def reduce_scatter(self, grad: torch.Tensor) -> Reduction:
         """Start summing ``grad`` (a packed full buffer) over ranks; this rank keeps its shard."""
         shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-        return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, async_op=True), shard)
+        return Reduction(self, comm.reduce_scatter(shard, grad, unit=self.name, owner=self, async_op=True), shard)
 
     def mark_unused(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Set ``unused`` from the reduced ``grad``; return what the optimizer should step
@@ -273,7 +273,7 @@ class FlatUnit:
         if self.master.numel() == self.padded_numel:  # stage 0: every rank holds it all
             return self.master.detach().clone()
         full = torch.empty(self.padded_numel, dtype=self.master.dtype, device=self.master.device)
-        comm.all_gather(full, self.master.detach(), unit=self.name)
+        comm.all_gather(full, self.master.detach(), unit=self.name, owner=self)
         return full
 
     def load(self, tensors: list[torch.Tensor]) -> None:

@@ -49,7 +49,7 @@ class ShardedOptimizer(PerParamOptimizer):
         grad = unit.my_shard(unit.pack_grads(unit.full.dtype))  # -0.0 where a param's grad is None
         unit.master.grad = unit.mark_unused(grad)
         super().step()
-        comm.all_gather(unit.full, unit.master, unit="params")
+        comm.all_gather(unit.full, unit.master, unit="params", owner=unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.unit.master.grad = None

@@ -41,4 +41,4 @@ class ZeRO1(DataParallel):
 
     def after_step(self, unit: FlatUnit) -> None:
         """Each rank updated its shard; all-gather the shards so every rank has all weights."""
-        comm.all_gather(unit.full, unit.master.detach().to(unit.full.dtype), unit=unit.name)
+        comm.all_gather(unit.full, unit.master.detach().to(unit.full.dtype), unit=unit.name, owner=unit)

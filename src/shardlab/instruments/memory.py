@@ -10,7 +10,9 @@ count what the tensors actually hold, so the two can be set side by side:
 
 A collective in flight counts with its unit: a reduction's buffers (the packed full gradient
 and the shard it lands in) as ``grads``, a gather's as the unit's weights, from the collective's
-own ``COMM`` event to its ``COMM_DONE`` (:func:`shardlab.engine.comm.in_flight`).
+own ``COMM`` event to its ``COMM_DONE`` (:func:`shardlab.engine.comm.in_flight`). It is matched to
+its unit by the unit object (``Pending.owner``), not by name: two models of one architecture have
+units of the same names.
 
 Counting rule: each *storage* counts once (``untyped_storage().nbytes()``, keyed by data
 pointer), so the parameters of a unit, views of one flat buffer, count as that buffer. Padding
@@ -96,11 +98,12 @@ def _tally(model: nn.Module, optimizer=None, include_constant: bool = True) -> _
             tally.add("grads", unit.master.grad, unit)
             for p in unit.params:
                 tally.add("grads", p.grad, unit)
-        by_name = {unit.name: unit for unit in engine.units}
+        owners = {id(unit): unit for unit in engine.units}
         for collective in comm.in_flight():  # from its COMM event to its COMM_DONE, both included
-            unit = by_name.get(collective.unit)
-            if unit is None:
-                continue  # not a unit's collective: a loss, a gradient norm, a model check
+            owner = collective.owner
+            unit = owners.get(id(owner)) if owner is not None else None
+            if unit is None:  # by the unit object, not its name: another model has units of the same names
+                continue  # not this model's unit: a loss, a gradient norm, a model check, another model
             weights = "gathered" if engine.shards_params else "params"
             category = "grads" if collective.kind in ("reduce_scatter", "all_reduce") else weights
             for t in collective.buffers:  # a gathered unit's ``full`` is counted above already

@@ -47,29 +47,43 @@ def _names(node: ast.AST, ctx) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
 
 
-def _kept_assignment(node: ast.stmt, defined: set[str]) -> bool:
+def _calls(node: ast.AST):
+    """The calls an expression makes when it is evaluated: a lambda's body runs later, so it is not walked."""
+    todo = [] if isinstance(node, ast.Lambda) else [node]
+    while todo:
+        sub = todo.pop()
+        if isinstance(sub, ast.Call):
+            yield sub
+        todo.extend(child for child in ast.iter_child_nodes(sub) if not isinstance(child, ast.Lambda))
+
+
+def _kept_assignment(node: ast.stmt, defined: set[str], own: frozenset[str] = frozenset()) -> bool:
     """A top-level assignment that needs only what the script already defines and starts nothing:
     ``pad = torch.nn.functional.pad`` or ``left = [0]`` are kept (a function may use them);
-    ``cluster = shardlab.start_cluster(4)`` or ``runs = cluster.run(...)`` are not."""
+    ``cluster = shardlab.start_cluster(4)`` or ``runs = cluster.run(...)`` are not, nor a call of
+    the notebook's own functions or classes (``own``: a self-test such as
+    ``shards = pad_and_split(x, 4)`` would run on every rank at import, and its error would fail
+    every task), nor ``count += 1`` where ``count`` is not defined."""
     if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
         return False
-    for sub in ast.walk(node.value):
-        if isinstance(sub, ast.Call):
-            name = getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)
-            if name in RANK_CALLS:
-                return False
+    for call in _calls(node.value):
+        if (getattr(call.func, "attr", None) or getattr(call.func, "id", None)) in RANK_CALLS:
+            return False
+        root = call.func  # f in f(...), cluster in cluster.run(...)
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in own:
+            return False
+    if isinstance(node, ast.AugAssign) and not _names(node.target, ast.Store) <= defined:
+        return False
     bound = _names(node.value, ast.Store) | {a.arg for n in ast.walk(node.value) if isinstance(n, ast.Lambda)
                                               for a in ast.walk(n.args) if isinstance(a, ast.arg)}
     return _names(node, ast.Load) <= defined | bound | set(dir(builtins))
 
 
-def notebook_to_script(path: Path, folder: Path) -> Path:
-    """A notebook's code cells as a plain .py file: its imports, functions and classes, and the
-    top-level assignments they may use (:func:`_kept_assignment`). Cells that start ranks, run on
-    them (``%%ranks``) or call ``check`` are left out. Each piece is preceded by :data:`CELL_MARK`,
-    so that a hint can name the notebook's cell and line (``judge._where``)."""
-    nb = json.loads(path.read_text())
-    kept, defined = [], set()
+def _cells(nb: dict):
+    """(number, lines, tree) of each code cell that runs here: cell magics (``%%ranks``) are left
+    out, line magics and shell lines are blanked, so that line numbers stay the notebook's."""
     code_cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
     for number, cell in enumerate(code_cells, 1):
         source = "".join(cell["source"])
@@ -77,21 +91,45 @@ def notebook_to_script(path: Path, folder: Path) -> Path:
             continue  # runs on the ranks (%%ranks) or is another cell magic
         lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
         try:
-            tree = ast.parse("\n".join(lines))
+            yield number, lines, ast.parse("\n".join(lines))
         except SyntaxError:
             continue
+
+
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def notebook_to_script(path: Path, folder: Path) -> Path:
+    """A notebook's code cells as a plain .py file: its imports, functions and classes, and the
+    top-level assignments they may use (:func:`_kept_assignment`). Cells that start ranks, run on
+    them (``%%ranks``) or call ``check`` are left out. Each piece is preceded by :data:`CELL_MARK`,
+    so that a hint can name the notebook's cell and line (``judge._where``).
+
+    A definition owns its lines (at top level it starts at column 0), so it is cut by lines, from
+    its first decorator. An import or an assignment is cut as the statement alone: in
+    ``import torch; cluster = start_cluster(4)`` the import is kept and the cluster is not."""
+    nb = json.loads(path.read_text())
+    cells = list(_cells(nb))
+    own = frozenset(node.name for _, _, tree in cells for node in tree.body if isinstance(node, DEFINITIONS))
+    kept, defined = [], set()
+    for number, lines, tree in cells:
+        source = "\n".join(lines)
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            elif isinstance(node, DEFINITIONS):
                 defined.add(node.name)
-            elif _kept_assignment(node, defined):
+            elif _kept_assignment(node, defined, own):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
             else:
                 continue
-            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            kept.append(CELL_MARK.format(cell=number, line=start) + "\n" + "\n".join(lines[start - 1:node.end_lineno]))
+            if isinstance(node, DEFINITIONS):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                piece = "\n".join(lines[start - 1:node.end_lineno])
+            else:
+                start, piece = node.lineno, ast.get_source_segment(source, node)
+            kept.append(CELL_MARK.format(cell=number, line=start) + "\n" + piece)
     script = folder / f"{path.stem}.py"
     script.write_text("\n\n".join(kept) + "\n")
     return script

@@ -160,22 +160,27 @@ def judge(task: Task, source, limit: float, *, alarm: bool) -> dict:
             signal.signal(signal.SIGALRM, previous)
 
 
+#: The Python frame through which autograd's engine runs backward: a private name of torch's
+#: (torch/autograd/graph.py, torch >= 2.3; tests/test_torch_internals.py would see it go).
+AUTOGRAD_ENTRY = "_engine_run_backward"
+
+
 def _in_backward(exc: BaseException) -> list | None:
-    """The frames run by autograd's engine (after ``_engine_run_backward``: hooks) if the error was
+    """The frames run by autograd's engine (after :data:`AUTOGRAD_ENTRY`: hooks) if the error was
     raised while the check ran backward; None if it was not."""
     frames = traceback.extract_tb(exc.__traceback__)
-    starts = [i for i, f in enumerate(frames) if f.name == "_engine_run_backward"]
+    starts = [i for i, f in enumerate(frames) if f.name == AUTOGRAD_ENTRY]
     return frames[starts[-1] + 1:] if starts else None
 
 
-HOOK = "{kind}: {first}, raised while backward ran a hook you registered"
+IN_BACKWARD_HOOK = "{kind}: {first}, raised while backward ran a hook you registered"
 
 
 def _told_in_backward(exc: BaseException, first: str, hook_frames: list) -> dict:
     """An error raised during backward, where no line of the learner's code is on the stack:
     autograd called a learner's hook with the wrong arguments, the "hook" was not a function, a
     backward hook returned something, or backward itself failed on the graph the learner built."""
-    text = HOOK.format(kind=type(exc).__name__, first=first)
+    text = IN_BACKWARD_HOOK.format(kind=type(exc).__name__, first=first)
     if isinstance(exc, TypeError) and "not callable" in first:
         return {"status": "error", "mistake": "hook_not_callable", "message": f"{text}: it was not a function. "
                 "Passing f(x) calls f at once and hands over what it returned; to have backward call it "

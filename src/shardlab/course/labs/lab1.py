@@ -13,6 +13,8 @@ learner's code runs are watched (``watch.Collectives``) wherever the task names 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -125,11 +127,16 @@ def check_pad_and_split(fn) -> str:
                        "chunk(world_size) takes the count of shards; split takes the size of each, "
                        "padded length // world_size", mistake="size_not_count" if by_size else "shard_count")
         if len(shards) != n or len(set(sizes)) > 1:
-            if numel % n and sum(sizes) > numel:  # padded, by a count that does not reach a multiple
+            if numel % n and sum(sizes) > numel and sum(sizes) % n:  # padded, but not to a multiple
                 raise Hint(f"you padded {numel} elements to {sum(sizes)}, which is not a multiple of {n}, so "
                            f"the shards came out {sizes}: the count of zeros is the one that reaches the next "
                            f"multiple of {n}", "(-numel) % world_size zeros (numel % world_size is what is over, "
                            "not what is missing)", mistake="wrong_pad_count")
+            if numel % n and sum(sizes) > want.numel():  # a multiple of n, past the next one
+                raise Hint(f"you padded {numel} elements to {sum(sizes)}: a multiple of {n}, but not the next one "
+                           f"({want.numel()}), and the shards came out {sizes}, not {n} shards of {want.shape[1]}",
+                           "(-numel) % world_size zeros reach the next multiple; then chunk(world_size) cuts "
+                           "that many equal shards", mistake="too_much_padding")
             if numel % n:
                 raise Hint(f"{numel} elements on {n} ranks gave shards of sizes {sizes}, not {n} "
                            f"equal shards: pad with zeros up to a multiple of {n} first",
@@ -168,15 +175,26 @@ def check_gather_full(fn) -> str:
         shard = padded.reshape(n, -1)[rank].clone()
         with Collectives() as seen:  # every collective first (both lengths), then judge
             got = fn(shard.clone(), numel, n)
-        runs.append((numel, full, padded, shard, got, seen))
-    for *_, seen in runs:
-        refuse_others(seen, "The task rebuilds the tensor with one all-gather: every rank gives its shard, "
-                            "every rank gets all of them")
-    for numel, full, padded, shard, got, seen in runs:
-        _judge_gather(numel, full, padded, shard, got, seen, n)
-    (padded_len, *_), (divides, *_) = runs
-    return (f"the full tensor rebuilt from {n} shards with one all-gather, on every rank: {padded_len} elements "
-            f"(padded to {runs[0][2].numel()}) and {divides} (no padding)")
+        runs.append(GatherRun(numel, full, padded, shard, got, seen))
+    for run in runs:
+        refuse_others(run.seen, "The task rebuilds the tensor with one all-gather: every rank gives its shard, "
+                                "every rank gets all of them")
+    for run in runs:
+        _judge_gather(*run, n)
+    padded_run, divides = runs
+    return (f"the full tensor rebuilt from {n} shards with one all-gather, on every rank: {padded_run.numel} "
+            f"elements (padded to {padded_run.padded.numel()}) and {divides.numel} (no padding)")
+
+
+class GatherRun(NamedTuple):
+    """One length gather_full was checked on: the tensor, its padded form, this rank's shard, what
+    the learner returned, and the collectives it ran."""
+    numel: int
+    full: torch.Tensor
+    padded: torch.Tensor
+    shard: torch.Tensor
+    got: object
+    seen: Collectives
 
 
 def _judge_gather(numel, full, padded, shard, got, seen, n) -> None:

@@ -43,9 +43,7 @@ def _at_rest(units) -> str:
 def _forward_on_gathered(trace):
     def check(unit) -> None:
         if unit.gathering is not None:
-            raise Hint(f"{unit.name}'s forward ran while its gather was still in flight (async_op=True, never "
-                       "waited for): its weights may not have arrived. Gather without async_op here",
-                       "unit.gather() returns once the weights are in", mistake="used_in_flight")
+            raise watch.used_in_flight(unit.name, "forward ran")
         if unit.holds_full:
             return
         if "gather" in trace.of(unit.name, ("gather",)):
@@ -154,9 +152,7 @@ def check_prepare_backward(fn) -> str:
 
     def backward_starts(u):
         if u.gathering is not None:
-            raise Hint(f"{u.name}'s backward started while its gather was still in flight (async_op=True, never "
-                       "waited for): its weights may not have arrived. Gather without async_op here",
-                       "unit.gather() returns once the weights are in", mistake="used_in_flight")
+            raise watch.used_in_flight(u.name, "backward started")
         if not u.holds_full:
             raise Hint(f"{u.name}'s backward ran on freed weights: only the shard is there. Gather the unit "
                        "again before its backward", GATHER_AGAIN, mistake="backward_on_freed")

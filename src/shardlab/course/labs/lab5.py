@@ -10,8 +10,10 @@ checks enforce: at most two units hold full weights at once, the one running and
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,8 @@ def _not_in_flight(unit, trace) -> None:
     if unit.gathering is not None:
         raise Hint(f"{unit.name}'s forward ran while its prefetched gather was still in flight: its weights "
                    "may not have arrived. Call unit.gather() before using it (it waits for the prefetch)",
-                   "a started gather is finished by a plain unit.gather() on the same unit", mistake="used_in_flight")
+                   f"a started gather is finished by a plain unit.gather() on the same unit: {watch.GATHER_WAITS}",
+                   mistake="used_in_flight")
     if not unit.holds_full:
         if trace.of(unit.name, ("gather", "prefetch")):
             raise Hint(f"{unit.name}'s forward ran after you freed it: it was gathered, then freed before its "
@@ -42,6 +45,17 @@ def _not_in_flight(unit, trace) -> None:
                        mistake="freed_before_forward")
         raise Hint(f"{unit.name}'s forward ran on freed weights: gather it (or wait for its prefetch) first",
                    mistake="never_gathered")
+
+
+def _past_the_end(exc: IndexError, fn) -> bool:
+    """Python's IndexError of a list, raised on a line of ``fn`` that indexes its first argument
+    (``units``, or ``order``): the last unit has no next one. A tensor's index error, or one of a
+    list of the learner's own, is something else."""
+    code = getattr(fn, "__code__", None)
+    if str(exc) != "list index out of range" or code is None or not code.co_argcount:
+        return False
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == code.co_filename]
+    return bool(frames) and re.search(rf"\b{re.escape(code.co_varnames[0])}\s*\[", frames[-1].line or "") is not None
 
 
 def _too_many(most: int) -> Hint:
@@ -64,6 +78,8 @@ def check_forward_prefetch(fn) -> str:
         with trace.listen():
             out = fn(units, x)
     except IndexError as e:  # units[i + 1] at the last unit: on every rank at the same point
+        if not _past_the_end(e, fn):
+            raise  # another index error (a tensor's, say): told as it is, with its line
         raise Hint(f"IndexError ({e}) in your loop: the last unit has no next one; start the next gather "
                    "only if there is one", "compare i + 1 with len(units) first", mistake="past_the_end") from None
     finally:
@@ -130,6 +146,8 @@ def check_prefetch_next(fn) -> str:
         try:
             fn(order, unit)
         except IndexError as e:
+            if not _past_the_end(e, fn):
+                raise
             raise Hint(f"IndexError ({e}) at {unit.name}: the last unit in the order has no next one; "
                        "prefetch only if there is one", "compare the index with len(order) first",
                        mistake="past_the_end") from None

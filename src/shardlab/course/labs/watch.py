@@ -34,6 +34,15 @@ SWAPPED = ("your {kind}'s arguments look swapped: its output has {out} elements 
            "{n} ranks. Both collectives take (output, input): comm.reduce_scatter(shard, full) writes each "
            "rank's shard of the sum, comm.all_gather(full, shard) writes the full buffer")
 
+#: The stronger hint when a unit's weights were used while its own gather was still in flight.
+GATHER_WAITS = "unit.gather() returns once the weights are in"
+
+
+def used_in_flight(name: str, what: str) -> Hint:
+    """``name``'s ``what`` (its forward ran, its backward started) while its gather was in flight."""
+    return Hint(f"{name}'s {what} while its gather was still in flight (async_op=True, never waited for): its "
+                "weights may not have arrived. Gather without async_op here", GATHER_WAITS, mistake="used_in_flight")
+
 
 #: c10d operations no lab task calls for, by the name a hint gives them, and what each does instead
 OTHERS = {"reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "alltoall_": "all_to_all",
