@@ -101,3 +101,14 @@ def test_html_table_has_every_row_and_link():
     links = sum(row[k] is not None for row in stacks.ROWS for k in stacks.STACKS)
     assert page.count("<a href=") == links
     assert "`" not in page and "|" not in page.replace("\\|", "")
+
+
+def test_stage_2_cells_that_offer_fsdp_say_it_shards_the_weights():
+    """ZeRO-2 keeps whole weights between steps; FSDP's closest settings do not. A stage-2 cell
+    that offers one of them must say so, or a learner takes it for ZeRO-2 itself."""
+    row = next(r for r in stacks.ROWS if r["shardlab"].startswith("stage=2"))
+    offers = {k: row[k][0] for k in stacks.STACKS
+              if row[k] and re.search(r"SHARD_GRAD_OP|reshard_after_forward", row[k][0])}
+    assert {"fsdp1", "fsdp2"} <= set(offers)  # the search finds them
+    for key, setting in offers.items():
+        assert "shards weights between steps" in setting, (key, setting)

@@ -66,8 +66,7 @@ ROWS = [
      "deepspeed": ('"zero_optimization": {"stage": 2}', DS),
      "fsdp2": ("closest: fully_shard(block, reshard_after_forward=False) (also shards weights between steps)", FSDP2),
      "fsdp1": ("closest: ShardingStrategy.SHARD_GRAD_OP (also shards weights between steps)", FSDP1),
-     "accelerate": ("DeepSpeedPlugin(zero_stage=2); closest FSDP: fsdp_sharding_strategy: SHARD_GRAD_OP "
-                    "(also shards weights between steps)", ACC_DS),
+     "accelerate": ("DeepSpeedPlugin(zero_stage=2)", ACC_DS),
      "lightning": ('strategy="deepspeed_stage_2"', L_DS),
      "torch": ["torch.distributed.fsdp.ShardingStrategy.SHARD_GRAD_OP"]},
     {"shardlab": "stage=3, reshard_after_forward=False",
