@@ -71,7 +71,7 @@ lab: $(VENV)/.installed
 # (a deliberate hang that must time out, a SLURM job, a browser), so 3 processes on 2 cores finish
 # sooner. --dist loadfile keeps each file on one process, in order: a notebook's cells share one
 # kernel, and a module's fixtures run once. Step 1 stays on one process: a notebook's measured
-# times must not share the cores.
+# times must not share the cores. --durations lists step 3's slowest tests, to keep CI near 20 minutes.
 NOTEBOOKS ?= notebooks
 LABS      ?= labs
 PYTEST_WORKERS ?= 3
@@ -80,7 +80,7 @@ NBVAL_ARGS = --nbval-lax --nbval-cell-timeout=120
 test: $(VENV)/.site-installed
 	$(if $(strip $(NOTEBOOKS)),$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL_ARGS) -p website.nbval_copies --site-copies=_build/executed/notebooks)
 	$(BIN)/python website/build.py
-	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests $(LABS) $(NBVAL_ARGS) -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
