@@ -87,8 +87,11 @@ def _link_formula(seconds: float) -> Formula:  # what the emulated link was told
     return Formula(seconds, formula="α-β ring model (link_delay)")
 
 
-def _wait_formula(seconds: float) -> Formula:  # the emulator's sleep: model time compute did not hide
-    return Formula(seconds, formula="α-β link time not hidden behind compute (emulate_link)")
+def _wait_formula(seconds: float) -> Formula:
+    """The emulator's sleep: the model's link time less the wall time that compute and the loopback
+    collective already covered. The clock sets how much of it is left, but the link it waits on is the
+    α-β model's, not a network's, so it is tagged as the model's number, never as a measured link."""
+    return Formula(seconds, formula="α-β link time left uncovered by compute and loopback (emulate_link's sleep)")
 
 
 def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overlap: bool = True) -> dict:
@@ -99,7 +102,8 @@ def time_links(runs: dict, batches: list, links: dict, *, warmup: int = 1, overl
     Every round steps each (link, run) pair once on the same batch, each step after a barrier,
     so a slow moment of the machine hits all pairs alike. Returns
     ``{label: {name: {"step_s": [...], "link_s": [...], "waited_s": [...]}}}``: ``link_s`` is
-    what the emulated link needed in that step, ``waited_s`` the part compute did not hide.
+    what the emulated link needed in that step, ``waited_s`` the part that compute and the loopback
+    collective did not cover (wall-clock, so it moves with the machine's load).
     """
     pairs = [(label, name) for label in links for name in runs]
     out = {label: {name: {"step_s": [], "link_s": [], "waited_s": []} for name in runs} for label in links}
