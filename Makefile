@@ -71,7 +71,7 @@ lab: $(VENV)/.installed
 # (a deliberate hang that must time out, a SLURM job, a browser), so 3 processes on 2 cores finish
 # sooner. --dist loadfile keeps each file on one process, in order: a notebook's cells share one
 # kernel, and a module's fixtures run once. Step 1 stays on one process: a notebook's measured
-# times must not share the cores. --durations lists step 3's slowest tests, to keep CI near 20 minutes.
+# times must not share the cores. --durations lists step 3's slowest tests: where to look when CI nears its 25 minutes.
 NOTEBOOKS ?= notebooks
 LABS      ?= labs
 PYTEST_WORKERS ?= 3

@@ -108,7 +108,7 @@ def test_stage_2_cells_that_offer_fsdp_say_it_shards_the_weights():
     that offers one of them must say so, or a learner takes it for ZeRO-2 itself."""
     row = next(r for r in stacks.ROWS if r["shardlab"].startswith("stage=2"))
     offers = {k: row[k][0] for k in stacks.STACKS
-              if row[k] and re.search(r"SHARD_GRAD_OP|reshard_after_forward", row[k][0])}
+              if row[k] and re.search(r"shard_grad_op|reshard_after_forward|sharding_strategy", row[k][0], re.I)}
     assert {"fsdp1", "fsdp2"} <= set(offers)  # the search finds them
     for key, setting in offers.items():
         assert "shards weights between steps" in setting, (key, setting)

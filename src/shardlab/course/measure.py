@@ -6,7 +6,9 @@ rank at a barrier before each step, keep each step's seconds". A step lasts as l
 slowest rank, so the notebook takes, per step, the maximum over ranks (:func:`slowest_median`).
 
 Seconds and bytes measured here are :class:`~shardlab.instruments.measured.Measured`; what the
-emulated link's α-β model says it needed is a :class:`~shardlab.instruments.measured.Formula`.
+emulated link's α-β model says it needed is a :class:`~shardlab.instruments.measured.Formula`,
+and so is the emulator's wait on that model (``waited_s``): the clock sets how much of it is left,
+but the link is the model's, so it is never tagged as a measured link.
 """
 
 from __future__ import annotations
