@@ -212,7 +212,7 @@ def table(plans: list[Strategy], unit: str = "GB") -> str:
     scale = {"GB": mm.GB, "GiB": mm.GIB, "MB": 1e6}[unit]
     ref = plans[0]
     head = f"{'plan':<32}{'states':>9}{'activ.':>9}{'memory':>9}{'× ZeRO-3':>10}{'sent':>9}{'× ZeRO-3':>10}"
-    lines = [head + f"   ({unit} per GPU per step)", "-" * len(head)]
+    lines = [head + f"   ({unit} per GPU; sent: per step)", "-" * len(head)]
     for p in plans:
         lines.append(f"{p.name:<32}{p.model_states / scale:>9.2f}{p.activations / scale:>9.2f}"
                      f"{p.memory / scale:>9.2f}{p.memory / ref.memory:>10.2f}"
