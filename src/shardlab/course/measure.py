@@ -7,8 +7,7 @@ slowest rank, so the notebook takes, per step, the maximum over ranks (:func:`sl
 
 Seconds and bytes measured here are :class:`~shardlab.instruments.measured.Measured`; what the
 emulated link's α-β model says it needed is a :class:`~shardlab.instruments.measured.Formula`,
-and so is the emulator's wait on that model (``waited_s``): the clock sets how much of it is left,
-but the link is the model's, so it is never tagged as a measured link.
+and so is the emulator's wait on that model (``waited_s``; :func:`_wait_formula` says why).
 """
 
 from __future__ import annotations
