@@ -184,20 +184,41 @@ def _run_all(page, notebook: Path, budget: float) -> list[dict]:
                            timeout=slowdown(60) * 1000)
     page.evaluate("async () => { const w = window.jupyterapp.shell.currentWidget;"
                   " await w.sessionContext.ready; await w.context.ready; }")
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    _start_run_all(page)
     deadline, again = time.monotonic() + budget, time.monotonic() + slowdown(10)
     while True:
         cells = page.evaluate(_CELLS_JS)
         if again and time.monotonic() > again:  # the command came before the notebook was current
             again = None
             if all(c["count"] is None and "*" not in c["prompt"] for c in cells):
-                page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+                _start_run_all(page)
         if cells and all(c["count"] is not None and "*" not in c["prompt"] for c in cells):
             return cells
         if time.monotonic() > deadline:
             waiting = [i for i, c in enumerate(cells) if c["count"] is None or "*" in c["prompt"]]
-            pytest.fail(f"{notebook.name}: code cells {waiting} did not finish within {budget:.0f} s")
+            kernel = page.evaluate(_KERNEL_JS)
+            log = Path(page.lab_log).read_text()[-3000:]
+            pytest.fail(f"{notebook.name}: code cells {waiting} did not finish within {budget:.0f} s;"
+                        f" kernel {kernel}\nJupyterLab's log ends:\n{log}")
         page.wait_for_timeout(250)
+
+
+def _start_run_all(page) -> None:
+    """Start Run All and return at once.
+
+    The command's promise settles only when the last cell has run, and ``page.evaluate`` waits for
+    a returned promise: returning it would leave a stalled cell to pytest-timeout's 10 minutes,
+    with no word of which cell. The polling loop above owns the deadline and says which.
+    """
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells')"
+                  ".catch(e => console.error('run-all-cells: ' + e)); }")
+
+
+# The notebook's kernel as JupyterLab sees it, for a failure message.
+_KERNEL_JS = """() => {
+  const k = window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel;
+  return k ? {status: k.status, connection: k.connectionStatus} : 'none';
+}"""
 
 
 def _check_slider(page, notebook: Path) -> None:
@@ -232,7 +253,7 @@ def _check_quiz(page, notebook: Path) -> None:
 def test_a_notebook_runs_in_the_browser_with_working_widgets(lab, notebook):
     t0 = time.perf_counter()
     page = lab["browser"].new_page(viewport={"width": 1400, "height": 1000})
-    page.lab_url = lab["url"]
+    page.lab_url, page.lab_log = lab["url"], lab["log"]
     console: list[str] = []
     page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: console.append(f"page error: {e}"))
@@ -244,7 +265,9 @@ def test_a_notebook_runs_in_the_browser_with_working_widgets(lab, notebook):
         if page.locator(".jupyter-widgets button", has_text=re.compile(r"^\s*Check\s*$")).count():
             _check_quiz(page, notebook)
         page.screenshot(path=str(ARTIFACTS / f"{notebook.stem}.png"), full_page=True)
-        page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+        # bounded, as Run All is: the fixture's end checks that no kernel or rank is left
+        page.evaluate("ms => Promise.race([window.jupyterapp.commands.execute('kernelmenu:shutdown'),"
+                      " new Promise(done => setTimeout(done, ms))])", slowdown(30) * 1000)
     finally:
         page.close()
     for i, cell in enumerate(cells):
