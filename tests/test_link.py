@@ -154,3 +154,58 @@ def test_a_real_collective_is_slowed_then_restored(load_s):
         assert 0.0 <= slept <= expected + 1e-9
         assert after == inside  # restored: the collectives after the block are not slowed or booked
         assert not still_listening
+
+
+def _a_failed_gather_after_a_good_one():
+    """Run on each of 2 ranks, under a ledger and an emulated link: one all-gather that lands, then
+    one whose call raises (3 is not 2 × 2 elements). Returns the books after each."""
+    from shardlab.engine import comm
+
+    def books(ledger, em):
+        return (dict(ledger.rows), len(ledger.records), len(ledger._in_flight),
+                em.ops, em.link_time_s, em._free_at, dict(em._finish))
+
+    with shardlab.count_comm() as ledger, emulate_link(bandwidth_gbps=10, latency_us=0) as em:
+        comm.all_gather(torch.empty(4), torch.ones(2))
+        good = books(ledger, em)
+        with pytest.raises((RuntimeError, ValueError)):
+            comm.all_gather(torch.empty(3), torch.zeros(2))
+        failed = books(ledger, em)
+    return good, failed
+
+
+def test_a_collective_that_raises_is_taken_off_the_books():
+    """Nothing landed, so the ledger counts no call and no ring bytes for it, and the emulated
+    link neither charges its time nor keeps its slot: the books read as before the call."""
+    for good, failed in launch.run_ranks(_a_failed_gather_after_a_good_one, 2, timeout=slowdown(90)):
+        rows, records, in_flight, ops, link_time, free_at, finish = good
+        assert ops == 1 and records == 1 and in_flight == 0 and not finish
+        assert [r["calls"] for r in rows.values()] == [1]
+        f_rows, f_records, f_in_flight, f_ops, f_link_time, f_free_at, f_finish = failed
+        assert f_rows.keys() == rows.keys()
+        assert {k: {f: v for f, v in r.items() if f != "wire_bytes"} for k, r in f_rows.items()} == \
+            {k: {f: v for f, v in r.items() if f != "wire_bytes"} for k, r in rows.items()}
+        assert (f_records, f_in_flight, f_ops, f_free_at, f_finish) == (records, in_flight, ops, free_at, finish)
+        assert f_link_time == pytest.approx(link_time, rel=1e-9)  # one cost added, then taken away
+
+
+def test_an_async_call_whose_wait_raises_is_announced_as_failed():
+    """``wait()`` on a call that never lands (a timeout, a rank gone) emits ``COMM_FAILED``, not
+    ``COMM_DONE``, and the call leaves the in-flight list; waiting again raises nothing more."""
+    from shardlab.engine import comm
+
+    class NeverLands:
+        def wait(self):
+            raise RuntimeError("timed out")
+
+    seen = []
+    with events.listen(lambda name, f: seen.append((name, f.get("error")))):
+        pending = comm.Pending("all_gather", "blocks.0", (torch.zeros(2),))
+        pending.announce(dict(kind="all_gather", numel=2, dtype=torch.float32, world_size=2,
+                              unit="blocks.0", start=time.perf_counter(), phase="forward"))
+        pending.started(NeverLands())
+        with pytest.raises(RuntimeError, match="timed out"):
+            pending.wait()
+        pending.wait()
+    assert seen == [(events.COMM, None), (events.COMM_FAILED, "RuntimeError: timed out")]
+    assert pending not in comm.in_flight() and pending.buffers == ()

@@ -9,9 +9,11 @@ Four collectives are all ZeRO and FSDP need, each on a flat 1-D buffer:
 
 We always reduce with SUM and let the caller divide, because ``ReduceOp.AVG`` is missing or
 silently wrong on gloo in several torch releases. Each call emits an ``events.COMM`` event when
-issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and ``events.COMM_DONE``
-when it lands (+ end), so that the instruments (:mod:`shardlab.instruments.traffic`, :mod:`shardlab.instruments.timeline`,
-:mod:`shardlab.instruments.link`) can count, time and slow down traffic without the engine knowing.
+issued (kind, ``numel`` of the full buffer, dtype, device, world size, unit, start) and
+``events.COMM_DONE`` when it lands (+ end), or ``events.COMM_FAILED`` if it raises instead
+(+ error), so that the instruments (:mod:`shardlab.instruments.traffic`,
+:mod:`shardlab.instruments.timeline`, :mod:`shardlab.instruments.link`) can count, time and slow
+down traffic without the engine knowing.
 From its issue until it lands, a collective is listed by :func:`in_flight` with the buffers it
 reads and writes, so that :mod:`shardlab.instruments.memory` counts them at every event between,
 the two events of the collective itself included.
@@ -77,7 +79,11 @@ class Pending:
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except BaseException as exc:  # a timeout, a rank gone: it never landed
+                self._failed(exc)
+                raise
             self._work = None
         if self._event is not None:
             event, self._event = self._event, None
@@ -86,10 +92,16 @@ class Pending:
         self._buffers = ()  # landed and announced: the caller keeps what it still needs
         _live.pop(self._number, None)
 
-    def _failed(self) -> None:
-        """The call raised: it is not in flight, whoever still holds it (a traceback's frame)."""
-        self._buffers, self._work, self._event = (), None, None
+    def _failed(self, exc: BaseException) -> None:
+        """The call raised: it is not in flight, whoever still holds it (a traceback's frame).
+
+        An announced call emits ``COMM_FAILED``, so that a ledger or an emulated link that booked
+        its ``COMM`` takes the booking back: nothing landed, so nothing is counted as sent.
+        """
+        event, self._buffers, self._work, self._event = self._event, (), None, None
         _live.pop(self._number, None)
+        if event is not None:
+            events.emit(events.COMM_FAILED, **event, error=f"{type(exc).__name__}: {exc}")
 
     @property
     def buffers(self) -> tuple:
@@ -122,8 +134,8 @@ def _issue(kind, fn, out, inp, *, unit, owner, async_op, **kw) -> Pending:
                 phase=events.phase,
             ))
         work = fn(*pending.buffers, async_op=async_op, **kw)
-    except BaseException:
-        pending._failed()
+    except BaseException as exc:
+        pending._failed(exc)
         raise
     if async_op:
         pending.started(work)

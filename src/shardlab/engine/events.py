@@ -23,6 +23,7 @@ BACKWARD_DONE = "backward_done"  #: unit=: every gradient of a unit is computed
 FREE = "free"                    #: unit=: a unit gave its borrowed shards back
 COMM = "comm"                    #: a collective was issued: kind, numel, dtype, device, world_size, unit, start
 COMM_DONE = "comm_done"          #: that collective landed: the same fields, and end
+COMM_FAILED = "comm_failed"      #: that collective raised instead: the same fields, and error
 STEP_START = "step_start"        #: the optimizer step begins
 STEP_END = "step_end"            #: the optimizer step (and the stage's after_step) is over
 

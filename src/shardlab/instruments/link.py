@@ -150,34 +150,48 @@ class LinkEmulator:
         self.link_time_s = 0.0
         self.slept_s = 0.0
         self._free_at = 0.0  # when this rank's link finishes its booked transfers
-        self._finish: dict[tuple, tuple[float, float]] = {}
+        self._finish: dict[tuple, tuple[float, float, float]] = {}  # finish, cost, free_at before
         self._lock = threading.Lock()
 
     def delay(self, fields: dict) -> float:
         return link_delay(fields["kind"], fields["numel"], fields["dtype"], fields["world_size"],
                           self.link.bandwidth_gbps, self.link.latency_us)
 
-    def _book(self, fields: dict) -> tuple[float, float]:
-        """Put the transfer on the link (one at a time); return its finish time and cost."""
-        cost = self.delay(fields)
-        begin = max(fields["start"], self._free_at)
-        self._free_at = begin + cost
+    def _book(self, fields: dict) -> tuple[float, float, float]:
+        """Put the transfer on the link (one at a time); return its finish time, its cost and when
+        the link was free before it (to take the slot back if the call raises)."""
+        cost, before = self.delay(fields), self._free_at
+        self._free_at = max(fields["start"], before) + cost
         self.ops += 1
         self.link_time_s += cost
-        return self._free_at, cost
+        return self._free_at, cost, before
+
+    def _unbook(self, key: tuple) -> None:
+        """A booked call raised: take its cost back, and its slot if no later call queued behind."""
+        booked = self._finish.pop(key, None)
+        if booked is None:
+            return
+        finish, cost, before = booked
+        self.ops -= 1
+        self.link_time_s -= cost
+        if self._free_at == finish:
+            self._free_at = before
 
     def __call__(self, name: str, fields: dict) -> None:
-        if name not in (events.COMM, events.COMM_DONE):
+        if name not in (events.COMM, events.COMM_DONE, events.COMM_FAILED):
             return
         key = (fields["kind"], fields["start"], fields.get("unit"))
         with self._lock:
             if name == events.COMM:
                 self._finish[key] = self._book(fields)
                 return
+            if name == events.COMM_FAILED:
+                self._unbook(key)
+                return
             booked = self._finish.pop(key, None)
             if booked is None:  # issued before the emulation started: book it now
                 booked = self._book(fields)
-            finish, cost = booked
+            finish, cost, _ = booked
             wait = finish - time.perf_counter() if self.overlap else cost
         if wait > 0:
             time.sleep(wait)

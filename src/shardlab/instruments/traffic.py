@@ -124,11 +124,29 @@ class Ledger:
         elif name == events.COMM_DONE:
             self._advance()
             self.rows[(f["phase"], f["kind"])]["seconds"] += f["end"] - f["start"]
-            for rec in reversed(self._in_flight):  # the matching issue: same kind, unit and start
-                if rec["start"] == f["start"] and rec["kind"] == f["kind"] and rec["unit"] == f["unit"]:
-                    rec["end"] = f["end"]
-                    self._in_flight.remove(rec)
-                    break
+            rec = self._landed(f)
+            if rec is not None:
+                rec["end"] = f["end"]
+        elif name == events.COMM_FAILED:  # it raised: no call was made, no ring bytes are owed
+            self._advance()  # what did reach the wire before it raised stays where it went
+            rec = self._landed(f)
+            if rec is not None:
+                key = (f["phase"], f["kind"])
+                row = self.rows[key]
+                row["calls"] -= 1
+                row["elements"] -= volume(f["kind"], f["numel"])
+                row["ring_bytes"] -= rec["ring_bytes"]
+                self.records.remove(rec)
+                if not any(row.values()):  # the failed call was all this row had
+                    del self.rows[key]
+
+    def _landed(self, f: dict) -> dict | None:
+        """Take the record of the call ``f`` closes out of the in-flight list: same kind, unit, start."""
+        for rec in reversed(self._in_flight):
+            if rec["start"] == f["start"] and rec["kind"] == f["kind"] and rec["unit"] == f["unit"]:
+                self._in_flight.remove(rec)
+                return rec
+        return None
 
     def close(self) -> None:
         """Take the last reading (count_comm does this when its block ends)."""
