@@ -156,42 +156,49 @@ def test_a_real_collective_is_slowed_then_restored(load_s):
         assert not still_listening
 
 
+
 def _a_failed_gather_after_a_good_one():
-    """Run on each of 2 ranks, under a ledger and an emulated link: one all-gather that lands, then
-    one whose call raises (3 is not 2 × 2 elements). Returns the books after each."""
+    """Run on each of 2 ranks, under an emulated link: one all-gather that lands, then one whose
+    call raises (3 is not 2 × 2 elements). Returns the link's books after each."""
     from shardlab.engine import comm
 
-    def books(ledger, em):
-        return (dict(ledger.rows), len(ledger.records), len(ledger._in_flight),
-                em.ops, em.link_time_s, em._free_at, dict(em._finish))
-
-    with shardlab.count_comm() as ledger, emulate_link(bandwidth_gbps=10, latency_us=0) as em:
+    with emulate_link(bandwidth_gbps=10, latency_us=0) as em:
         comm.all_gather(torch.empty(4), torch.ones(2))
-        good = books(ledger, em)
+        good = em.ops, em.link_time_s, em.free_at
         with pytest.raises((RuntimeError, ValueError)):
             comm.all_gather(torch.empty(3), torch.zeros(2))
-        failed = books(ledger, em)
+        failed = em.ops, em.link_time_s, em.free_at
     return good, failed
 
 
-def test_a_collective_that_raises_is_taken_off_the_books():
-    """Nothing landed, so the ledger counts no call and no ring bytes for it, and the emulated
-    link neither charges its time nor keeps its slot: the books read as before the call."""
+def test_a_collective_that_raises_is_taken_off_the_link():
+    """Nothing landed, so the emulated link neither charges its time nor keeps its slot."""
     for good, failed in launch.run_ranks(_a_failed_gather_after_a_good_one, 2, timeout=slowdown(90)):
-        rows, records, in_flight, ops, link_time, free_at, finish = good
-        assert ops == 1 and records == 1 and in_flight == 0 and not finish
-        assert [r["calls"] for r in rows.values()] == [1]
-        f_rows, f_records, f_in_flight, f_ops, f_link_time, f_free_at, f_finish = failed
-        assert f_rows.keys() == rows.keys()
-        assert {k: {f: v for f, v in r.items() if f != "wire_bytes"} for k, r in f_rows.items()} == \
-            {k: {f: v for f, v in r.items() if f != "wire_bytes"} for k, r in rows.items()}
-        assert (f_records, f_in_flight, f_ops, f_free_at, f_finish) == (records, in_flight, ops, free_at, finish)
-        assert f_link_time == pytest.approx(link_time, rel=1e-9)  # one cost added, then taken away
+        assert good[0] == 1 and good[1] == pytest.approx(link_delay("all_gather", 4, 4, 2, 10, 0))
+        assert failed[0] == good[0] and failed[2] == good[2]
+        assert failed[1] == pytest.approx(good[1], rel=1e-9)  # one cost added, then taken away
+
+
+def test_two_queued_calls_that_fail_leave_the_link_free():
+    """A and B queued on the link, B behind A; both raise, in either order: the link is free again
+    from when it was free before A, and a third call is booked from its own start."""
+    for order in ((0, 1), (1, 0)):
+        em = LinkEmulator(Link("slow", 0.04, 0.0))
+        with events.listen(em):
+            queued = [_issue(), _issue()]
+            assert em.free_at > queued[1]["start"] + 0.09  # B waits behind A: two transfers booked
+            for i in order:
+                events.emit(events.COMM_FAILED, **queued[i], error="RuntimeError: gone")
+            assert em.ops == 0 and em.free_at == 0.0
+            c = _issue()
+            assert em.free_at == pytest.approx(c["start"] + 0.05)
+            events.emit(events.COMM_DONE, **c, end=time.perf_counter())
 
 
 def test_an_async_call_whose_wait_raises_is_announced_as_failed():
     """``wait()`` on a call that never lands (a timeout, a rank gone) emits ``COMM_FAILED``, not
-    ``COMM_DONE``, and the call leaves the in-flight list; waiting again raises nothing more."""
+    ``COMM_DONE``, and the call leaves the in-flight list. Waiting again says it failed: it does
+    not read as landed."""
     from shardlab.engine import comm
 
     class NeverLands:
@@ -206,6 +213,7 @@ def test_an_async_call_whose_wait_raises_is_announced_as_failed():
         pending.started(NeverLands())
         with pytest.raises(RuntimeError, match="timed out"):
             pending.wait()
-        pending.wait()
+        with pytest.raises(RuntimeError, match="failed earlier .*timed out.*Restart"):
+            pending.wait()
     assert seen == [(events.COMM, None), (events.COMM_FAILED, "RuntimeError: timed out")]
     assert pending not in comm.in_flight() and pending.buffers == ()

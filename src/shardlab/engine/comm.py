@@ -47,7 +47,8 @@ class Pending:
     ``COMM`` event until *after* its ``COMM_DONE`` event: a memory sample taken at either event
     sees the buffers, which are allocated then. (Registered any later, the sample at a
     reduce-scatter's own issue would miss the gradient buffer just packed for it, which the
-    engine has not yet queued.)
+    engine has not yet queued.) A call that raises leaves the list *before* its ``COMM_FAILED``
+    event: it holds nothing in flight any more.
 
     ``unit`` is the name the events carry; ``owner`` the unit object itself, held weakly. Two
     models of one architecture have units of the same names, so the memory tally matches a
@@ -60,6 +61,7 @@ class Pending:
         self._buffers = buffers
         self._work = None
         self._event: dict | None = None
+        self._error: BaseException | None = None  # why it failed, for a later wait()
         self._number = next(_issued)
         _live[self._number] = self  # weakly: a Pending nobody holds leaves the list by itself
 
@@ -78,6 +80,10 @@ class Pending:
         self._work = work
 
     def wait(self) -> None:
+        if self._error is not None:  # a failed call never lands: waiting again must not say it did
+            raise RuntimeError(f"this {self.kind} failed earlier ({self._error}); its result is not "
+                               "in place. Restart the step (or the cluster) after the first error") \
+                from self._error
         if self._work is not None:
             try:
                 self._work.wait()
@@ -96,8 +102,9 @@ class Pending:
         """The call raised: it is not in flight, whoever still holds it (a traceback's frame).
 
         An announced call emits ``COMM_FAILED``, so that a ledger or an emulated link that booked
-        its ``COMM`` takes the booking back: nothing landed, so nothing is counted as sent.
+        its ``COMM`` takes the booking back: it never landed, so no call is counted as made.
         """
+        self._error = exc
         event, self._buffers, self._work, self._event = self._event, (), None, None
         _live.pop(self._number, None)
         if event is not None:

@@ -1,7 +1,8 @@
 """A tiny event bus: the engine says what it is doing, instruments listen.
 
 The engine calls :func:`emit` at each step of the FSDP cycle (forward, backward, free,
-optimizer step) and :mod:`shardlab.engine.comm` emits one event per collective, issued and landed.
+optimizer step) and :mod:`shardlab.engine.comm` emits one event per collective when it is issued,
+and one when it lands (or fails).
 The names are the constants below, listed once with their fields. Instruments (communication ledger, timeline, slow-link emulation) subscribe with
 :func:`listen`. With no listener, ``emit`` returns at once, so the hot path pays almost nothing.
 """

@@ -166,15 +166,25 @@ class LinkEmulator:
         self.link_time_s += cost
         return self._free_at, cost, before
 
+    @property
+    def free_at(self) -> float:
+        """When this rank's link has finished every transfer booked on it (perf_counter time)."""
+        return self._free_at
+
     def _unbook(self, key: tuple) -> None:
-        """A booked call raised: take its cost back, and its slot if no later call queued behind."""
-        booked = self._finish.pop(key, None)
-        if booked is None:
+        """A booked call raised: take its cost back, and its slot. A call queued behind it keeps
+        its own slot, but the link was free for it from when it was free for the failed one."""
+        if key not in self._finish:
             return
-        finish, cost, before = booked
+        queue = list(self._finish)  # in issue order
+        finish, cost, before = self._finish.pop(key)
         self.ops -= 1
         self.link_time_s -= cost
-        if self._free_at == finish:
+        later = queue[queue.index(key) + 1:]
+        if later:
+            f, c, _ = self._finish[later[0]]
+            self._finish[later[0]] = (f, c, before)
+        elif self._free_at == finish:
             self._free_at = before
 
     def __call__(self, name: str, fields: dict) -> None:

@@ -94,6 +94,8 @@ def record_shardlab():
     def on_event(name: str, f: dict) -> None:
         if name == events.COMM:
             seen.unit, seen.phase = f["unit"], f["phase"]
+        elif name == events.COMM_FAILED:  # it may have raised before reaching the dispatcher
+            seen.unit = seen.phase = None
         elif name in (events.FORWARD, events.BACKWARD, events.FREE):
             seen.mark(name, f.get("unit"))
 

@@ -1,7 +1,8 @@
 """A communication ledger: what this rank's collectives moved, by kind and by phase, three ways.
 
 ``count_comm()`` listens to the ``comm`` / ``comm_done`` events that every collective of the
-engine emits (:mod:`shardlab.engine.comm` is its only door to the network) and books each call::
+engine emits (:mod:`shardlab.engine.comm` is its only door to the network) and books each call
+(one that raises instead, ``comm_failed``, is taken off the books again)::
 
     with shardlab.count_comm() as ledger:
         loss_fn(model(x), y).backward(); optimizer.step()
@@ -127,7 +128,7 @@ class Ledger:
             rec = self._landed(f)
             if rec is not None:
                 rec["end"] = f["end"]
-        elif name == events.COMM_FAILED:  # it raised: no call was made, no ring bytes are owed
+        elif name == events.COMM_FAILED:  # it raised: it never landed, so no ring bytes are owed
             self._advance()  # what did reach the wire before it raised stays where it went
             rec = self._landed(f)
             if rec is not None:
@@ -136,9 +137,9 @@ class Ledger:
                 row["calls"] -= 1
                 row["elements"] -= volume(f["kind"], f["numel"])
                 row["ring_bytes"] -= rec["ring_bytes"]
-                self.records.remove(rec)
-                if not any(row.values()):  # the failed call was all this row had
-                    del self.rows[key]
+                self.records = [r for r in self.records if r is not rec]
+                if row["calls"] == 0 and not row["wire_bytes"] and not row["seconds"]:
+                    del self.rows[key]  # the failed call was all this row had
 
     def _landed(self, f: dict) -> dict | None:
         """Take the record of the call ``f`` closes out of the in-flight list: same kind, unit, start."""

@@ -262,6 +262,8 @@ class _Reductions(watch.Collectives):
     def on_event(self, name: str, fields: dict) -> None:
         if name == events.COMM and fields["kind"] == "reduce_scatter":
             self.named = fields.get("unit")  # announced just before the call reaches the dispatcher
+        elif name == events.COMM_FAILED:  # it may have raised before reaching the dispatcher
+            self.named = None
 
     def _record(self, kind: str, op: str, args) -> None:
         named, self.named = self.named, None
