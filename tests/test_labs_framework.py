@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import linecache
 import os
 import re
 import subprocess
@@ -220,6 +221,14 @@ def stub(shard, numel, world_size):
 
 def raises(shard, numel, world_size):
     return shard.view(3, 7)
+
+def past_the_end(units, x):  # lab 5, no bound check: the last unit has no next one
+    for i, unit in enumerate(units):
+        unit.gather()
+        units[i + 1].gather(async_op=True)
+        x = unit.module(x)
+        unit.free()
+    return x
 '''
 
 
@@ -229,6 +238,8 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
     from shardlab.course.labs import check
 
     ns = {"__name__": "__main__"}  # like cells: these functions travel to the ranks by value
+    # the kernel's linecache holds the cell, as IPython's does; the ranks' does not
+    linecache.cache["<cell>"] = (len(_NOTEBOOK_CODE), None, _NOTEBOOK_CODE.splitlines(True), "<cell>")
     exec(compile(_NOTEBOOK_CODE, "<cell>", "exec"), ns)
     cluster = start_cluster(4, quiet=True)
     try:
@@ -245,6 +256,9 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
         out = capsys.readouterr().out
         assert "your function raised RuntimeError" in out and "line 19 of your cell" in out, out
         assert "Traceback" not in out
+        assert check("lab5.forward_prefetch", ns["past_the_end"]) is False  # read off the cell's line
+        out = capsys.readouterr().out
+        assert "the last unit has no next one" in out, out
         assert check("lab1.gather_full", ns["gather_full"]) is True  # the cluster is usable again
         assert "✓ lab1.gather_full" in capsys.readouterr().out
     finally:

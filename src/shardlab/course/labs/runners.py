@@ -17,6 +17,7 @@ import datetime
 import io
 import itertools
 import json
+import linecache
 import os
 import tempfile
 import time
@@ -39,7 +40,21 @@ class _CheckFailed(Exception):  # noqa: N818
     """Raised on a cluster rank after a failure that broke the group: the cluster rebuilds it."""
 
 
-def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int) -> dict:
+def _cell_lines(fn) -> tuple[str, list[str]] | None:
+    """The learner's cell, as the kernel's linecache holds it (IPython puts each cell there).
+
+    A rank's linecache lacks it, and a check that reads the learner's failing line (lab 5 tells
+    ``units[i + 1]`` at the last unit as "the last unit has no next one") needs it on the rank.
+    """
+    code = getattr(fn, "__code__", None)
+    lines = linecache.getlines(code.co_filename) if code is not None else []
+    return (code.co_filename, lines) if lines else None
+
+
+def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int, cell=None) -> dict:
+    if cell is not None:
+        filename, lines = cell
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # the kernel's is the truth
     out = judge(get_task(task_id), fn, limit, alarm=False)
     _outcomes.clear()
     _outcomes[run_id] = out
@@ -71,7 +86,8 @@ def run_on_cluster(task_id: str, fn, *, timeout: float | None = None, cluster=No
     limit = float(timeout or task.timeout)
     run_id = next(_run_ids)
     try:
-        outcomes = cluster.run(_on_cluster_rank, task_id, fn, limit, cluster.timeout, run_id, timeout=limit)
+        outcomes = cluster.run(_on_cluster_rank, task_id, fn, limit, cluster.timeout, run_id, _cell_lines(fn),
+                               timeout=limit)
     except ClusterError:  # a rank failed and left the group: rebuilt now, then ask what happened
         try:
             outcomes = cluster.run(_outcome, run_id, timeout=30.0)
