@@ -40,7 +40,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class Pending:
-    """An issued collective. ``wait()`` blocks until its result is in place (once).
+    """An issued collective. ``wait()`` blocks until its result is in place (once), or raises
+    if the call failed (at its issue or at an earlier wait): a failed call never reads as landed.
 
     It holds the buffers it reads and writes (``buffers``) until it has landed: gloo and NCCL
     read them after an async call returns. It is listed by :func:`in_flight` from *before* its
@@ -61,7 +62,7 @@ class Pending:
         self._buffers = buffers
         self._work = None
         self._event: dict | None = None
-        self._error: BaseException | None = None  # why it failed, for a later wait()
+        self._error: str | None = None  # why it failed, for a later wait() (text: no frames kept)
         self._number = next(_issued)
         _live[self._number] = self  # weakly: a Pending nobody holds leaves the list by itself
 
@@ -80,10 +81,11 @@ class Pending:
         self._work = work
 
     def wait(self) -> None:
-        if self._error is not None:  # a failed call never lands: waiting again must not say it did
-            raise RuntimeError(f"this {self.kind} failed earlier ({self._error}); its result is not "
-                               "in place. Restart the step (or the cluster) after the first error") \
-                from self._error
+        """Block until the result is in place, then emit ``COMM_DONE``; raise if it never will."""
+        if self._error is not None:  # waiting again must not say it landed
+            why = (f"this {self.kind} failed earlier ({self._error}): its result never arrived. "
+                   "Build the model again (shardlab.parallelize), or restart the cluster")
+            raise RuntimeError(why) from None
         if self._work is not None:
             try:
                 self._work.wait()
@@ -104,11 +106,11 @@ class Pending:
         An announced call emits ``COMM_FAILED``, so that a ledger or an emulated link that booked
         its ``COMM`` takes the booking back: it never landed, so no call is counted as made.
         """
-        self._error = exc
+        self._error = f"{type(exc).__name__}: {exc}"
         event, self._buffers, self._work, self._event = self._event, (), None, None
         _live.pop(self._number, None)
         if event is not None:
-            events.emit(events.COMM_FAILED, **event, error=f"{type(exc).__name__}: {exc}")
+            events.emit(events.COMM_FAILED, **event, error=self._error)
 
     @property
     def buffers(self) -> tuple:

@@ -172,20 +172,23 @@ class LinkEmulator:
         return self._free_at
 
     def _unbook(self, key: tuple) -> None:
-        """A booked call raised: take its cost back, and its slot. A call queued behind it keeps
-        its own slot, but the link was free for it from when it was free for the failed one."""
+        """A booked call raised: take its cost back, and book the calls queued behind it again
+        from when the link was free before it, so that none of them waits for a transfer that
+        never happened."""
         if key not in self._finish:
             return
         queue = list(self._finish)  # in issue order
-        finish, cost, before = self._finish.pop(key)
+        later = queue[queue.index(key) + 1:]
+        last_finish = self._finish[queue[-1]][0]
+        _, cost, free = self._finish.pop(key)
         self.ops -= 1
         self.link_time_s -= cost
-        later = queue[queue.index(key) + 1:]
-        if later:
-            f, c, _ = self._finish[later[0]]
-            self._finish[later[0]] = (f, c, before)
-        elif self._free_at == finish:
-            self._free_at = before
+        for k in later:  # k = (kind, start, unit)
+            _, c, _ = self._finish[k]
+            self._finish[k] = (max(k[1], free) + c, c, free)
+            free = self._finish[k][0]
+        if self._free_at == last_finish:  # no call that has landed since was booked behind these
+            self._free_at = free
 
     def __call__(self, name: str, fields: dict) -> None:
         if name not in (events.COMM, events.COMM_DONE, events.COMM_FAILED):
