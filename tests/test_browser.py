@@ -196,8 +196,8 @@ def _run_all(page, notebook: Path, budget: float) -> list[dict]:
             return cells
         if time.monotonic() > deadline:
             waiting = [i for i, c in enumerate(cells) if c["count"] is None or "*" in c["prompt"]]
-            kernel = page.evaluate(_KERNEL_JS)
             log = Path(page.lab_log).read_text(errors="replace")[-3000:]  # a log still being written
+            kernel = page.evaluate(_KERNEL_JS)
             pytest.fail(f"{notebook.name}: code cells {waiting} did not finish within {budget:.0f} s;"
                         f" kernel {kernel}\nJupyterLab's log ends:\n{log}")
         page.wait_for_timeout(250)

@@ -58,7 +58,35 @@ def test_an_async_call_whose_wait_raises_is_announced_as_failed():
         pending.started(NeverLands())
         with pytest.raises(RuntimeError, match="timed out"):
             pending.wait()
-        with pytest.raises(RuntimeError, match=r"failed earlier \(RuntimeError: timed out\).*shardlab.parallelize"):
+        with pytest.raises(RuntimeError, match=r"all_gather of blocks.0 failed earlier \(RuntimeError: "
+                                               r"timed out\).*fresh model.*restart the cluster"):
             pending.wait()
     assert seen == [(events.COMM, None), (events.COMM_FAILED, "RuntimeError: timed out")]
     assert pending not in comm.in_flight() and pending.buffers == ()
+
+
+def _failed(fields: dict, **changes) -> None:
+    events.emit(events.COMM_FAILED, **{**fields, **changes}, error="RuntimeError: gone")
+
+
+def test_a_failed_calls_unit_label_is_dropped_and_no_other():
+    """The dispatcher recorders take a collective's unit from its ``COMM`` event. A call that
+    raises before the dispatcher must not lend its label to the next call; an older call that
+    fails at its wait must not drop the label staged for a newer one."""
+    from shardlab.course.labs.lab4 import _Reductions
+    from shardlab.instruments.schedule import record_shardlab
+
+    rs = dict(kind="reduce_scatter", numel=4, dtype=torch.float32, world_size=2, unit="blocks.0",
+              start=1.0, phase="backward")
+    with record_shardlab() as seen:
+        events.emit(events.COMM, **rs)
+        _failed(rs, start=0.5, unit="blocks.1")  # an older call, failing at its wait
+        assert seen.unit == "blocks.0"
+        _failed(rs)
+        assert seen.unit is None and seen.phase is None
+    watcher = _Reductions(None, [])
+    watcher.on_event(events.COMM, rs)
+    watcher.on_event(events.COMM_FAILED, {**rs, "start": 0.5, "unit": "blocks.1"})
+    assert watcher.named == "blocks.0"
+    watcher.on_event(events.COMM_FAILED, rs)
+    assert watcher.named is None

@@ -233,13 +233,14 @@ def past_the_end(units, x):  # lab 5, no bound check: the last unit has no next 
 
 
 @pytest.mark.slow
-def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys):
+def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys, monkeypatch):
     from shardlab.cluster import start_cluster
     from shardlab.course.labs import check
 
     ns = {"__name__": "__main__"}  # like cells: these functions travel to the ranks by value
     # the kernel's linecache holds the cell, as IPython's does; the ranks' does not
-    linecache.cache["<cell>"] = (len(_NOTEBOOK_CODE), None, _NOTEBOOK_CODE.splitlines(True), "<cell>")
+    monkeypatch.setitem(linecache.cache, "<cell>",
+                        (len(_NOTEBOOK_CODE), None, _NOTEBOOK_CODE.splitlines(True), "<cell>"))
     exec(compile(_NOTEBOOK_CODE, "<cell>", "exec"), ns)
     cluster = start_cluster(4, quiet=True)
     try:

@@ -182,3 +182,17 @@ def test_a_failed_call_does_not_delay_the_call_queued_behind_it():
         assert em.ops == 1 and em.free_at == pytest.approx(b["start"] + 0.05)
         events.emit(events.COMM_DONE, **b, end=time.perf_counter())
     assert em.link_time_s == pytest.approx(0.05) and em.slept_s <= em.link_time_s + 1e-9
+
+
+def test_a_call_that_landed_keeps_its_slot_when_one_ahead_of_it_fails():
+    """A, B and C queued in that order; B lands, then A raises: B did use the link, so C is booked
+    again behind B's finish, never beside it."""
+    em = LinkEmulator(Link("slow", 0.04, 0.0))  # 0.05 s a transfer
+    with events.listen(em):
+        a, b, c = _issue(), _issue(), _issue()
+        b_finish = em.free_at - 0.05  # booked behind A: A's 0.05 s, then its own
+        events.emit(events.COMM_DONE, **b, end=time.perf_counter())
+        events.emit(events.COMM_FAILED, **a, error="RuntimeError: gone")
+        assert em.ops == 2 and em.free_at == pytest.approx(b_finish + 0.05)
+        events.emit(events.COMM_DONE, **c, end=time.perf_counter())
+    assert em.link_time_s == pytest.approx(0.1)

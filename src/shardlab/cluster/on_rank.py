@@ -155,6 +155,12 @@ def run_on_rank(kind: str, payload, args=(), kwargs=None, imports=None, defs=Non
     return result
 
 
+def remember_lines(filename: str, lines: list[str]) -> None:
+    """Keep a notebook cell's lines in this rank's linecache, as IPython does in the kernel, so
+    that tracebacks (and lab checks that read the failing line) on this rank can show them."""
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
 def _exec_cell(cell, ns: dict) -> tuple[bool, object]:
     """Run a cell like IPython does: statements, then the value of a final expression, if any.
 
@@ -168,8 +174,7 @@ def _exec_cell(cell, ns: dict) -> tuple[bool, object]:
         source = shell.transform_cell(source)  # %magics and !shell lines work in %%ranks cells
     source = "\n" * (first_line - 1) + source
     filename = name or f"<%%ranks cell {next(_cell_numbers)}>"
-    # Keep the source so that tracebacks on this rank show the failing line.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    remember_lines(filename, source.splitlines(True))
     tree = ast.parse(source, filename=filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, filename, "exec"), ns)

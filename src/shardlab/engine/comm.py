@@ -83,13 +83,16 @@ class Pending:
     def wait(self) -> None:
         """Block until the result is in place, then emit ``COMM_DONE``; raise if it never will."""
         if self._error is not None:  # waiting again must not say it landed
-            why = (f"this {self.kind} failed earlier ({self._error}): its result never arrived. "
-                   "Build the model again (shardlab.parallelize), or restart the cluster")
+            of = f" of {self.unit}" if self.unit else ""
+            why = (f"this {self.kind}{of} failed earlier ({self._error}): its result never arrived. "
+                   "Parallelize a fresh model; after a timeout or a lost rank, restart the cluster "
+                   "first (the process group is broken)")
             raise RuntimeError(why) from None
         if self._work is not None:
             try:
                 self._work.wait()
-            except BaseException as exc:  # a timeout, a rank gone: it never landed
+            except Exception as exc:  # a timeout, a rank gone: it never landed (an interrupt
+                # leaves it in flight: the call may still land, and a later wait() waits again)
                 self._failed(exc)
                 raise
             self._work = None

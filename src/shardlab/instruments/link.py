@@ -151,6 +151,7 @@ class LinkEmulator:
         self.slept_s = 0.0
         self._free_at = 0.0  # when this rank's link finishes its booked transfers
         self._finish: dict[tuple, tuple[float, float, float]] = {}  # finish, cost, free_at before
+        self._landed_until = 0.0  # the latest booked finish of a call that has landed
         self._lock = threading.Lock()
 
     def delay(self, fields: dict) -> float:
@@ -172,23 +173,23 @@ class LinkEmulator:
         return self._free_at
 
     def _unbook(self, key: tuple) -> None:
-        """A booked call raised: take its cost back, and book the calls queued behind it again
-        from when the link was free before it, so that none of them waits for a transfer that
-        never happened."""
+        """A booked call raised: take its cost back, and book the calls still queued behind it
+        again from when the link was free before it, so that none of them waits for a transfer
+        that never happened. A call that has landed kept its slot: it did use the link then."""
         if key not in self._finish:
             return
         queue = list(self._finish)  # in issue order
         later = queue[queue.index(key) + 1:]
-        last_finish = self._finish[queue[-1]][0]
-        _, cost, free = self._finish.pop(key)
+        _, cost, before = self._finish.pop(key)
         self.ops -= 1
         self.link_time_s -= cost
-        for k in later:  # k = (kind, start, unit)
+        free = max(before, self._landed_until)
+        for k in later:
+            _, start, _ = k
             _, c, _ = self._finish[k]
-            self._finish[k] = (max(k[1], free) + c, c, free)
+            self._finish[k] = (max(start, free) + c, c, free)
             free = self._finish[k][0]
-        if self._free_at == last_finish:  # no call that has landed since was booked behind these
-            self._free_at = free
+        self._free_at = free
 
     def __call__(self, name: str, fields: dict) -> None:
         if name not in (events.COMM, events.COMM_DONE, events.COMM_FAILED):
@@ -205,6 +206,7 @@ class LinkEmulator:
             if booked is None:  # issued before the emulation started: book it now
                 booked = self._book(fields)
             finish, cost, _ = booked
+            self._landed_until = max(self._landed_until, finish)
             wait = finish - time.perf_counter() if self.overlap else cost
         if wait > 0:
             time.sleep(wait)

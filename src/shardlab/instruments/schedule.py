@@ -90,11 +90,12 @@ class _ShardLabRecorder(Recorder):
 def record_shardlab():
     """Record ShardLab's collectives at the dispatcher, each labelled by the engine's ``comm`` event."""
     seen = _ShardLabRecorder()
+    staged = [None]  # the start of the call whose label is staged: only its failure clears it
 
     def on_event(name: str, f: dict) -> None:
         if name == events.COMM:
-            seen.unit, seen.phase = f["unit"], f["phase"]
-        elif name == events.COMM_FAILED:  # it may have raised before reaching the dispatcher
+            seen.unit, seen.phase, staged[0] = f["unit"], f["phase"], f["start"]
+        elif name == events.COMM_FAILED and f["start"] == staged[0]:  # raised before the dispatcher
             seen.unit = seen.phase = None
         elif name in (events.FORWARD, events.BACKWARD, events.FREE):
             seen.mark(name, f.get("unit"))

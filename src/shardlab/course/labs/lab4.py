@@ -258,11 +258,13 @@ class _Reductions(watch.Collectives):
     def __init__(self, trace: watch.Trace, complete: list[str]):
         super().__init__()
         self.trace, self.complete, self.named = trace, complete, None
+        self._named_start = None  # the start of the reduce-scatter that named it
 
     def on_event(self, name: str, fields: dict) -> None:
         if name == events.COMM and fields["kind"] == "reduce_scatter":
             self.named = fields.get("unit")  # announced just before the call reaches the dispatcher
-        elif name == events.COMM_FAILED:  # it may have raised before reaching the dispatcher
+            self._named_start = fields["start"]
+        elif name == events.COMM_FAILED and fields["start"] == self._named_start:  # raised before it
             self.named = None
 
     def _record(self, kind: str, op: str, args) -> None:

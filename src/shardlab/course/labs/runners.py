@@ -22,6 +22,7 @@ import os
 import tempfile
 import time
 
+from shardlab.cluster.on_rank import remember_lines
 from shardlab.course.labs.judge import drop_group, judge, set_collective_timeout
 from shardlab.course.labs.tasks import WORLD_SIZES, get_task
 from shardlab.course.labs.verdicts import BROKEN, Result, crashed, verdict
@@ -47,14 +48,15 @@ def _cell_lines(fn) -> tuple[str, list[str]] | None:
     ``units[i + 1]`` at the last unit as "the last unit has no next one") needs it on the rank.
     """
     code = getattr(fn, "__code__", None)
-    lines = linecache.getlines(code.co_filename) if code is not None else []
+    if code is None or os.path.exists(code.co_filename):  # a real file: the rank reads it itself
+        return None
+    lines = linecache.getlines(code.co_filename)
     return (code.co_filename, lines) if lines else None
 
 
 def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int, cell=None) -> dict:
     if cell is not None:
-        filename, lines = cell
-        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # the kernel's is the truth
+        remember_lines(*cell)
     out = judge(get_task(task_id), fn, limit, alarm=False)
     _outcomes.clear()
     _outcomes[run_id] = out
