@@ -197,7 +197,10 @@ def _run_all(page, notebook: Path, budget: float) -> list[dict]:
         if time.monotonic() > deadline:
             waiting = [i for i, c in enumerate(cells) if c["count"] is None or "*" in c["prompt"]]
             log = Path(page.lab_log).read_text(errors="replace")[-3000:]  # a log still being written
-            kernel = page.evaluate(_KERNEL_JS)
+            try:
+                kernel = page.evaluate(_KERNEL_JS)
+            except Exception as exc:  # noqa: BLE001 - the message above must still be told
+                kernel = f"unknown ({exc})"
             pytest.fail(f"{notebook.name}: code cells {waiting} did not finish within {budget:.0f} s;"
                         f" kernel {kernel}\nJupyterLab's log ends:\n{log}")
         page.wait_for_timeout(250)

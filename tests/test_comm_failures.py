@@ -59,7 +59,7 @@ def test_an_async_call_whose_wait_raises_is_announced_as_failed():
         with pytest.raises(RuntimeError, match="timed out"):
             pending.wait()
         with pytest.raises(RuntimeError, match=r"all_gather of blocks.0 failed earlier \(RuntimeError: "
-                                               r"timed out\).*fresh model.*restart the cluster"):
+                                               r"timed out\).*fresh model.*restart the ranks"):
             pending.wait()
     assert seen == [(events.COMM, None), (events.COMM_FAILED, "RuntimeError: timed out")]
     assert pending not in comm.in_flight() and pending.buffers == ()

@@ -196,3 +196,19 @@ def test_a_call_that_landed_keeps_its_slot_when_one_ahead_of_it_fails():
         assert em.ops == 2 and em.free_at == pytest.approx(b_finish + 0.05)
         events.emit(events.COMM_DONE, **c, end=time.perf_counter())
     assert em.link_time_s == pytest.approx(0.1)
+
+
+def test_a_failure_moves_no_call_later():
+    """A, M and L queued; L lands first (waited out of order), then A raises: M, queued between A
+    and L, moves earlier by A's transfer, never later (L's slot is behind M's)."""
+    em = LinkEmulator(Link("slow", 0.04, 0.0))  # 0.05 s a transfer
+    with events.listen(em):
+        a, m, last = _issue(), _issue(), _issue()
+        m_finish = em.free_at - 0.05
+        events.emit(events.COMM_DONE, **last, end=time.perf_counter())
+        events.emit(events.COMM_FAILED, **a, error="RuntimeError: gone")
+        assert em.free_at == pytest.approx(m_finish + 0.05)  # L's finish: the link's last transfer
+        slept = em.slept_s  # L's sleep, up to its booked finish: M's, earlier, has passed
+        events.emit(events.COMM_DONE, **m, end=time.perf_counter())
+    assert em.ops == 2 and em.link_time_s == pytest.approx(0.1)
+    assert em.slept_s == slept  # M was not moved behind L: nothing left to wait for

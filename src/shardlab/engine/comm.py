@@ -41,7 +41,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class Pending:
     """An issued collective. ``wait()`` blocks until its result is in place (once), or raises
-    if the call failed (at its issue or at an earlier wait): a failed call never reads as landed.
+    if the call failed at an earlier wait: a failed call never reads as landed.
 
     It holds the buffers it reads and writes (``buffers``) until it has landed: gloo and NCCL
     read them after an async call returns. It is listed by :func:`in_flight` from *before* its
@@ -85,8 +85,8 @@ class Pending:
         if self._error is not None:  # waiting again must not say it landed
             of = f" of {self.unit}" if self.unit else ""
             why = (f"this {self.kind}{of} failed earlier ({self._error}): its result never arrived. "
-                   "Parallelize a fresh model; after a timeout or a lost rank, restart the cluster "
-                   "first (the process group is broken)")
+                   "Parallelize a fresh model; after a timeout or a lost rank, restart the ranks "
+                   "(or the cluster) first: the process group is broken")
             raise RuntimeError(why) from None
         if self._work is not None:
             try:

@@ -136,11 +136,22 @@ def link_delay(kind, numel, dtype_or_itemsize, world_size, bandwidth_gbps, laten
     raise ValueError(f"unknown collective {kind!r}; expected all_gather, reduce_scatter, all_reduce or broadcast")
 
 
+@dataclass
+class _Booking:
+    """One transfer on the link: issued at ``start``, ``cost`` seconds long, done at ``finish``."""
+
+    start: float
+    cost: float
+    finish: float
+    landed: bool = False
+
+
 class LinkEmulator:
     """The listener behind :func:`emulate_link`; also the object it yields, with what it added.
 
     ``link_time_s`` is what the link needed in total; ``slept_s`` the part that was not hidden
-    behind loopback time or compute, i.e. what the emulation actually added to the run.
+    behind loopback time or compute, i.e. what the emulation actually added to the run;
+    ``free_at`` when the link has carried every transfer booked on it (perf_counter time).
     """
 
     def __init__(self, link: Link, overlap: bool = True):
@@ -149,47 +160,49 @@ class LinkEmulator:
         self.ops = 0
         self.link_time_s = 0.0
         self.slept_s = 0.0
-        self._free_at = 0.0  # when this rank's link finishes its booked transfers
-        self._finish: dict[tuple, tuple[float, float, float]] = {}  # finish, cost, free_at before
-        self._landed_until = 0.0  # the latest booked finish of a call that has landed
+        self.free_at = 0.0
+        # The bookings in issue order, from the oldest that has not landed: when a call raises,
+        # the queue is booked again without it (_unbook).
+        self._queue: dict[tuple, _Booking] = {}
+        self._free_before_queue = 0.0  # when the link was free before the queue's first booking
         self._lock = threading.Lock()
 
     def delay(self, fields: dict) -> float:
         return link_delay(fields["kind"], fields["numel"], fields["dtype"], fields["world_size"],
                           self.link.bandwidth_gbps, self.link.latency_us)
 
-    def _book(self, fields: dict) -> tuple[float, float, float]:
-        """Put the transfer on the link (one at a time); return its finish time, its cost and when
-        the link was free before it (to take the slot back if the call raises)."""
-        cost, before = self.delay(fields), self._free_at
-        self._free_at = max(fields["start"], before) + cost
+    def _book(self, key: tuple, fields: dict) -> _Booking:
+        """Put the transfer on the link, behind every transfer booked before it (one at a time)."""
+        cost = self.delay(fields)
+        if not self._queue:
+            self._free_before_queue = self.free_at
+        self.free_at = max(fields["start"], self.free_at) + cost
         self.ops += 1
         self.link_time_s += cost
-        return self._free_at, cost, before
+        booking = self._queue[key] = _Booking(fields["start"], cost, self.free_at)
+        return booking
 
-    @property
-    def free_at(self) -> float:
-        """When this rank's link has finished every transfer booked on it (perf_counter time)."""
-        return self._free_at
+    def _drop_landed_head(self) -> None:
+        """Landed bookings at the queue's head are history: no failure behind them can move them."""
+        while self._queue and next(iter(self._queue.values())).landed:
+            self._free_before_queue = self._queue.pop(next(iter(self._queue))).finish
 
     def _unbook(self, key: tuple) -> None:
-        """A booked call raised: take its cost back, and book the calls still queued behind it
-        again from when the link was free before it, so that none of them waits for a transfer
-        that never happened. A call that has landed kept its slot: it did use the link then."""
-        if key not in self._finish:
+        """A booked call raised: take its cost back, and book the queue again without it. A call
+        still queued can only move earlier; one that has landed keeps its slot (it did use the
+        link then), and the calls behind it stay behind it."""
+        if key not in self._queue:
             return
-        queue = list(self._finish)  # in issue order
-        later = queue[queue.index(key) + 1:]
-        _, cost, before = self._finish.pop(key)
+        failed = self._queue.pop(key)
         self.ops -= 1
-        self.link_time_s -= cost
-        free = max(before, self._landed_until)
-        for k in later:
-            _, start, _ = k
-            _, c, _ = self._finish[k]
-            self._finish[k] = (max(start, free) + c, c, free)
-            free = self._finish[k][0]
-        self._free_at = free
+        self.link_time_s -= failed.cost
+        free = self._free_before_queue
+        for booking in self._queue.values():
+            if not booking.landed:
+                booking.finish = max(booking.start, free) + booking.cost
+            free = booking.finish
+        self.free_at = free
+        self._drop_landed_head()
 
     def __call__(self, name: str, fields: dict) -> None:
         if name not in (events.COMM, events.COMM_DONE, events.COMM_FAILED):
@@ -197,17 +210,17 @@ class LinkEmulator:
         key = (fields["kind"], fields["start"], fields.get("unit"))
         with self._lock:
             if name == events.COMM:
-                self._finish[key] = self._book(fields)
+                self._book(key, fields)
                 return
             if name == events.COMM_FAILED:
                 self._unbook(key)
                 return
-            booked = self._finish.pop(key, None)
-            if booked is None:  # issued before the emulation started: book it now
-                booked = self._book(fields)
-            finish, cost, _ = booked
-            self._landed_until = max(self._landed_until, finish)
-            wait = finish - time.perf_counter() if self.overlap else cost
+            booking = self._queue.get(key)
+            if booking is None:  # issued before the emulation started: book it now
+                booking = self._book(key, fields)
+            booking.landed = True
+            self._drop_landed_head()
+            wait = booking.finish - time.perf_counter() if self.overlap else booking.cost
         if wait > 0:
             time.sleep(wait)
             self.slept_s += wait

@@ -90,13 +90,14 @@ class _ShardLabRecorder(Recorder):
 def record_shardlab():
     """Record ShardLab's collectives at the dispatcher, each labelled by the engine's ``comm`` event."""
     seen = _ShardLabRecorder()
-    staged = [None]  # the start of the call whose label is staged: only its failure clears it
+    staged = None  # the start of the call whose label is staged: only that call's failure clears it
 
     def on_event(name: str, f: dict) -> None:
+        nonlocal staged
         if name == events.COMM:
-            seen.unit, seen.phase, staged[0] = f["unit"], f["phase"], f["start"]
-        elif name == events.COMM_FAILED and f["start"] == staged[0]:  # raised before the dispatcher
-            seen.unit = seen.phase = None
+            seen.unit, seen.phase, staged = f["unit"], f["phase"], f["start"]
+        elif name == events.COMM_FAILED and f["start"] == staged:
+            seen.unit = seen.phase = None  # it raised before the dispatcher took the label
         elif name in (events.FORWARD, events.BACKWARD, events.FREE):
             seen.mark(name, f.get("unit"))
 

@@ -125,23 +125,24 @@ class Ledger:
         elif name == events.COMM_DONE:
             self._advance()
             self.rows[(f["phase"], f["kind"])]["seconds"] += f["end"] - f["start"]
-            rec = self._landed(f)
+            rec = self._take_in_flight(f)
             if rec is not None:
                 rec["end"] = f["end"]
         elif name == events.COMM_FAILED:  # it raised: it never landed, so no ring bytes are owed
             self._advance()  # what did reach the wire before it raised stays where it went
-            rec = self._landed(f)
+            rec = self._take_in_flight(f)
             if rec is not None:
                 key = (f["phase"], f["kind"])
                 row = self.rows[key]
                 row["calls"] -= 1
                 row["elements"] -= volume(f["kind"], f["numel"])
                 row["ring_bytes"] -= rec["ring_bytes"]
-                self.records = [r for r in self.records if r is not rec]
-                if row["calls"] == 0 and not row["wire_bytes"] and not row["seconds"]:
+                del self.records[next(i for i, r in enumerate(self.records) if r is rec)]
+                shared = any(key in rows for rows in self.shared)
+                if row["calls"] == 0 and not row["wire_bytes"] and not row["seconds"] and not shared:
                     del self.rows[key]  # the failed call was all this row had
 
-    def _landed(self, f: dict) -> dict | None:
+    def _take_in_flight(self, f: dict) -> dict | None:
         """Take the record of the call ``f`` closes out of the in-flight list: same kind, unit, start."""
         for rec in reversed(self._in_flight):
             if rec["start"] == f["start"] and rec["kind"] == f["kind"] and rec["unit"] == f["unit"]:

@@ -264,7 +264,8 @@ class _Reductions(watch.Collectives):
         if name == events.COMM and fields["kind"] == "reduce_scatter":
             self.named = fields.get("unit")  # announced just before the call reaches the dispatcher
             self._named_start = fields["start"]
-        elif name == events.COMM_FAILED and fields["start"] == self._named_start:  # raised before it
+        elif name == events.COMM_FAILED and fields["start"] == self._named_start:
+            # it raised before the dispatcher took the name
             self.named = None
 
     def _record(self, kind: str, op: str, args) -> None:

@@ -22,7 +22,6 @@ import os
 import tempfile
 import time
 
-from shardlab.cluster.on_rank import remember_lines
 from shardlab.course.labs.judge import drop_group, judge, set_collective_timeout
 from shardlab.course.labs.tasks import WORLD_SIZES, get_task
 from shardlab.course.labs.verdicts import BROKEN, Result, crashed, verdict
@@ -56,6 +55,8 @@ def _cell_lines(fn) -> tuple[str, list[str]] | None:
 
 def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int, cell=None) -> dict:
     if cell is not None:
+        from shardlab.cluster.on_rank import remember_lines  # here: labs import without the cluster
+
         remember_lines(*cell)
     out = judge(get_task(task_id), fn, limit, alarm=False)
     _outcomes.clear()
