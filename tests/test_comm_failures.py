@@ -51,7 +51,11 @@ def test_an_async_call_whose_wait_raises_is_announced_as_failed():
             raise RuntimeError("timed out")
 
     seen = []
-    with events.listen(lambda name, f: seen.append((name, f.get("error")))):
+
+    def listener(name, f):  # at COMM_FAILED the call is no longer in flight (memory's view)
+        seen.append((name, f.get("error"), pending in comm.in_flight()))
+
+    with events.listen(listener):
         pending = comm.Pending("all_gather", "blocks.0", (torch.zeros(2),))
         pending.announce(dict(kind="all_gather", numel=2, dtype=torch.float32, world_size=2,
                               unit="blocks.0", start=time.perf_counter(), phase="forward"))
@@ -61,7 +65,7 @@ def test_an_async_call_whose_wait_raises_is_announced_as_failed():
         with pytest.raises(RuntimeError, match=r"all_gather of blocks.0 failed earlier \(RuntimeError: "
                                                r"timed out\).*fresh model.*restart the ranks"):
             pending.wait()
-    assert seen == [(events.COMM, None), (events.COMM_FAILED, "RuntimeError: timed out")]
+    assert seen == [(events.COMM, None, True), (events.COMM_FAILED, "RuntimeError: timed out", False)]
     assert pending not in comm.in_flight() and pending.buffers == ()
 
 

@@ -212,3 +212,17 @@ def test_a_failure_moves_no_call_later():
         events.emit(events.COMM_DONE, **m, end=time.perf_counter())
     assert em.ops == 2 and em.link_time_s == pytest.approx(0.1)
     assert em.slept_s == slept  # M was not moved behind L: nothing left to wait for
+
+
+def test_a_call_that_landed_and_left_the_queue_still_holds_its_slot():
+    """A, B and C queued; A lands (the head of the queue, it leaves it), then B raises: C is
+    booked again behind A's finish, never beside it, and once C lands the queue holds nothing."""
+    em = LinkEmulator(Link("slow", 0.04, 0.0))  # 0.05 s a transfer
+    with events.listen(em):
+        a, b, c = _issue(), _issue(), _issue()
+        a_finish = em.free_at - 0.1
+        events.emit(events.COMM_DONE, **a, end=time.perf_counter())
+        events.emit(events.COMM_FAILED, **b, error="RuntimeError: gone")
+        assert em.ops == 2 and em.free_at == pytest.approx(a_finish + 0.05)
+        events.emit(events.COMM_DONE, **c, end=time.perf_counter())
+    assert not em._queue  # bookings that landed are history: the queue keeps none

@@ -112,6 +112,40 @@ def test_a_failed_call_is_taken_off_the_ledger():
     assert list(ledger.as_dict()) == ["forward"] and "reduce_scatter" not in ledger.table()
 
 
+class _CountingWire:
+    """A wire whose every reading finds 100 more bytes written."""
+
+    def __init__(self):
+        self.written = 0
+
+    def read(self) -> int:
+        self.written += 100
+        return self.written
+
+
+def test_a_failed_calls_row_stays_while_it_holds_measured_bytes():
+    """The bytes a failed call was in flight for were written: its row keeps them (with no call),
+    alone or in a reading it shared with another row's call; the ring formula owes nothing."""
+    ledger = Ledger(wire=_CountingWire())
+    alone = dict(kind="reduce_scatter", numel=100, dtype=torch.float32, world_size=4, unit="u",
+                 start=1.0, phase="backward")
+    with events.listen(ledger.on_event):
+        events.emit(events.COMM, **alone)
+        events.emit(events.COMM_FAILED, **alone, error="RuntimeError: gone")  # 100 bytes, its own
+    row = ledger.rows[("backward", "reduce_scatter")]
+    assert (row["calls"], row["elements"], row["ring_bytes"], row["wire_bytes"]) == (0, 0, 0, 100)
+
+    ledger = Ledger(wire=_CountingWire())
+    good = {**alone, "kind": "all_gather", "phase": "forward", "start": 2.0}
+    with events.listen(ledger.on_event):
+        events.emit(events.COMM, **good)
+        events.emit(events.COMM, **alone)  # 100 bytes while both were in flight: shared
+        events.emit(events.COMM_FAILED, **alone, error="RuntimeError: gone")
+        events.emit(events.COMM_DONE, **good, end=2.5)
+    assert ("backward", "reduce_scatter") in ledger.rows and ledger.calls() == 1
+    assert ledger.shared == {(("backward", "reduce_scatter"), ("forward", "all_gather")): 100}
+
+
 def test_ledger_refuses_unknown_names():
     ledger = Ledger()
     with pytest.raises(ValueError, match="field"):

@@ -89,10 +89,11 @@ class Pending:
                    "(or the cluster) first: the process group is broken")
             raise RuntimeError(why) from None
         if self._work is not None:
+            # A timeout, a rank gone: it never landed. An interrupt (not an Exception) leaves it
+            # in flight instead: the call may still land, and a later wait() waits again.
             try:
                 self._work.wait()
-            except Exception as exc:  # a timeout, a rank gone: it never landed (an interrupt
-                # leaves it in flight: the call may still land, and a later wait() waits again)
+            except Exception as exc:
                 self._failed(exc)
                 raise
             self._work = None

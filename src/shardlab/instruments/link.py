@@ -162,9 +162,11 @@ class LinkEmulator:
         self.slept_s = 0.0
         self.free_at = 0.0
         # The bookings in issue order, from the oldest that has not landed: when a call raises,
-        # the queue is booked again without it (_unbook).
+        # the queue is booked again without it (_unbook). A call never waited for (a prefetch left
+        # hanging) holds every later booking here until the block ends: a few floats a call.
         self._queue: dict[tuple, _Booking] = {}
-        self._free_before_queue = 0.0  # when the link was free before the queue's first booking
+        # When the link was free before the queue's first booking (free_at, when it is empty).
+        self._free_before_queue = 0.0
         self._lock = threading.Lock()
 
     def delay(self, fields: dict) -> float:
@@ -174,8 +176,6 @@ class LinkEmulator:
     def _book(self, key: tuple, fields: dict) -> _Booking:
         """Put the transfer on the link, behind every transfer booked before it (one at a time)."""
         cost = self.delay(fields)
-        if not self._queue:
-            self._free_before_queue = self.free_at
         self.free_at = max(fields["start"], self.free_at) + cost
         self.ops += 1
         self.link_time_s += cost

@@ -128,19 +128,30 @@ class Ledger:
             rec = self._take_in_flight(f)
             if rec is not None:
                 rec["end"] = f["end"]
-        elif name == events.COMM_FAILED:  # it raised: it never landed, so no ring bytes are owed
+        elif name == events.COMM_FAILED:
             self._advance()  # what did reach the wire before it raised stays where it went
             rec = self._take_in_flight(f)
             if rec is not None:
-                key = (f["phase"], f["kind"])
-                row = self.rows[key]
-                row["calls"] -= 1
-                row["elements"] -= volume(f["kind"], f["numel"])
-                row["ring_bytes"] -= rec["ring_bytes"]
-                del self.records[next(i for i, r in enumerate(self.records) if r is rec)]
-                shared = any(key in rows for rows in self.shared)
-                if row["calls"] == 0 and not row["wire_bytes"] and not row["seconds"] and not shared:
-                    del self.rows[key]  # the failed call was all this row had
+                self._take_back(rec)
+
+    def _take_back(self, rec: dict) -> None:
+        """A call that raised never landed: it is no call, and no ring bytes are owed for it.
+
+        Its row goes too when the call was all it had; a row that holds measured wire bytes or
+        seconds, or that a shared reading names, stays (with zero calls).
+        """
+        key = (rec["phase"], rec["kind"])
+        row = self.rows[key]
+        row["calls"] -= 1
+        row["elements"] -= volume(rec["kind"], rec["numel"])
+        row["ring_bytes"] -= rec["ring_bytes"]
+        if row["calls"] == 0:  # exactly zero, not a float's residue of adding and taking back
+            row["elements"] = row["ring_bytes"] = 0
+        # by identity: two calls of one unit, kind and size can make equal records
+        del self.records[next(i for i, r in enumerate(self.records) if r is rec)]
+        shared = any(key in rows for rows in self.shared)
+        if row["calls"] == 0 and not row["wire_bytes"] and not row["seconds"] and not shared:
+            del self.rows[key]
 
     def _take_in_flight(self, f: dict) -> dict | None:
         """Take the record of the call ``f`` closes out of the in-flight list: same kind, unit, start."""

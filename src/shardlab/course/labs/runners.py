@@ -53,11 +53,15 @@ def _cell_lines(fn) -> tuple[str, list[str]] | None:
     return (code.co_filename, lines) if lines else None
 
 
-def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int, cell=None) -> dict:
-    if cell is not None:
-        from shardlab.cluster.on_rank import remember_lines  # here: labs import without the cluster
+def _on_cluster_rank(task_id: str, fn, limit: float, restore: float, run_id: int,
+                     cell_lines=None) -> dict:
+    """Judge ``fn`` on this rank of the notebook's cluster; ``cell_lines`` is the learner's cell,
+    (filename, lines), to read its failing line here."""
+    if cell_lines is not None:
+        # imported here, not at the top, so that the labs import without the cluster package
+        from shardlab.cluster.on_rank import remember_lines
 
-        remember_lines(*cell)
+        remember_lines(*cell_lines)
     out = judge(get_task(task_id), fn, limit, alarm=False)
     _outcomes.clear()
     _outcomes[run_id] = out
