@@ -210,7 +210,7 @@ def _start_run_all(page) -> None:
     """Start Run All and return at once.
 
     The command's promise settles only when the last cell has run, and ``page.evaluate`` waits for
-    a returned promise: returning it would leave a stalled cell to pytest-timeout's 10 minutes,
+    a returned promise: returning it would leave a stalled cell to pytest-timeout's limit,
     with no word of which cell. The polling loop above owns the deadline and says which.
     """
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells')"

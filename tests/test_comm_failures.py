@@ -94,3 +94,17 @@ def test_a_failed_calls_unit_label_is_dropped_and_no_other():
     assert watcher.named == "blocks.0"
     watcher.on_event(events.COMM_FAILED, rs)
     assert watcher.named is None
+
+
+def test_a_listener_that_raises_does_not_keep_the_event_from_the_others():
+    """An interrupt in the emulated link's sleep (it listens first) must not keep ``COMM_DONE``
+    from the ledger: it would hold the call in flight for good. The first error still comes out."""
+    heard = []
+
+    def interrupted(name, f):
+        raise KeyboardInterrupt
+
+    with events.listen(lambda name, f: heard.append(name)), events.listen(interrupted, first=True):
+        with pytest.raises(KeyboardInterrupt):
+            events.emit(events.COMM_DONE, kind="all_gather")
+    assert heard == [events.COMM_DONE]

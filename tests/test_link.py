@@ -200,7 +200,7 @@ def test_a_call_that_landed_keeps_its_slot_when_one_ahead_of_it_fails():
 
 def test_a_failure_moves_no_call_later():
     """A, M and L queued; L lands first (waited out of order), then A raises: M, queued between A
-    and L, moves earlier by A's transfer, never later (L's slot is behind M's)."""
+    and L, never moves later (L's slot is behind M's)."""
     em = LinkEmulator(Link("slow", 0.04, 0.0))  # 0.05 s a transfer
     with events.listen(em):
         a, m, last = _issue(), _issue(), _issue()

@@ -139,8 +139,8 @@ def test_a_failed_calls_row_stays_while_it_holds_measured_bytes():
     good = {**alone, "kind": "all_gather", "phase": "forward", "start": 2.0}
     with events.listen(ledger.on_event):
         events.emit(events.COMM, **good)
-        events.emit(events.COMM, **alone)  # 100 bytes while both were in flight: shared
-        events.emit(events.COMM_FAILED, **alone, error="RuntimeError: gone")
+        events.emit(events.COMM, **alone)
+        events.emit(events.COMM_FAILED, **alone, error="RuntimeError: gone")  # 100 bytes, shared
         events.emit(events.COMM_DONE, **good, end=2.5)
     assert ("backward", "reduce_scatter") in ledger.rows and ledger.calls() == 1
     assert ledger.shared == {(("backward", "reduce_scatter"), ("forward", "all_gather")): 100}

@@ -46,8 +46,17 @@ def emit(name: str, **fields) -> None:
         return
     fields.setdefault("time", time.perf_counter())
     fields.setdefault("phase", phase)
+    first_error = None
     for listener in list(_listeners):
-        listener(name, fields)
+        # Every listener hears every event, even when one before it raised (an interrupt in the
+        # emulated link's sleep, say): a ledger that missed a COMM_DONE would keep the call in
+        # flight for good. The first error is raised once all have heard.
+        try:
+            listener(name, fields)
+        except BaseException as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
 
 
 def active() -> bool:

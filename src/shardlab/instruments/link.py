@@ -26,6 +26,8 @@ one transfer at a time (two gathers in flight share it), and at completion we sl
 the booked finish time. Compute done in between hides the transfer, as on a real network; a
 synchronous op simply takes ``max(loopback time, link time)``. ``overlap=False`` is the
 pessimistic bound instead: every op sleeps its full link time on completion, hiding nothing.
+A call that raises instead (``comm_failed``) is taken off the link: the calls queued behind it are
+booked again without it.
 """
 
 from __future__ import annotations
@@ -184,8 +186,11 @@ class LinkEmulator:
 
     def _drop_landed_head(self) -> None:
         """Landed bookings at the queue's head are history: no failure behind them can move them."""
-        while self._queue and next(iter(self._queue.values())).landed:
-            self._free_before_queue = self._queue.pop(next(iter(self._queue))).finish
+        while self._queue:
+            key, head = next(iter(self._queue.items()))
+            if not head.landed:
+                return
+            self._free_before_queue = self._queue.pop(key).finish
 
     def _unbook(self, key: tuple) -> None:
         """A booked call raised: take its cost back, and book the queue again without it. A call
