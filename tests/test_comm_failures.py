@@ -108,3 +108,25 @@ def test_a_listener_that_raises_does_not_keep_the_event_from_the_others():
         with pytest.raises(KeyboardInterrupt):
             events.emit(events.COMM_DONE, kind="all_gather")
     assert heard == [events.COMM_DONE]
+
+
+def test_a_call_whose_done_event_is_interrupted_is_not_left_in_flight():
+    """The call landed; an interrupt out of a ``COMM_DONE`` listener (the link's sleep) must not
+    leave it listed in flight, where the memory instruments would count its buffers for good."""
+
+    class Lands:
+        def wait(self):
+            pass
+
+    def interrupted(name, f):
+        if name == events.COMM_DONE:
+            raise KeyboardInterrupt
+
+    with events.listen(interrupted):
+        pending = comm.Pending("all_gather", "blocks.0", (torch.zeros(2),))
+        pending.announce(dict(kind="all_gather", numel=2, dtype=torch.float32, world_size=2,
+                              unit="blocks.0", start=time.perf_counter(), phase="forward"))
+        pending.started(Lands())
+        with pytest.raises(KeyboardInterrupt):
+            pending.wait()
+    assert pending not in comm.in_flight() and pending.buffers == ()

@@ -68,6 +68,11 @@ def test_preset_by_position_with_override_and_no_nesting():
     assert not events.active()
 
 
+# perf_counter times are large (seconds since boot): approx's relative tolerance would grow with
+# them, so times on the clock are compared to a microsecond.
+_CLOCK = 1e-6
+
+
 def _issue(kind="all_gather", numel=125_000, world_size=2):
     fields = dict(kind=kind, numel=numel, dtype=torch.float32, world_size=world_size, unit=None,
                   start=time.perf_counter(), phase="forward")
@@ -168,7 +173,7 @@ def test_two_queued_calls_that_fail_leave_the_link_free():
                 events.emit(events.COMM_FAILED, **queued[i], error="RuntimeError: gone")
             assert em.ops == 0 and em.free_at == 0.0
             c = _issue()
-            assert em.free_at == pytest.approx(c["start"] + 0.05)
+            assert em.free_at == pytest.approx(c["start"] + 0.05, abs=_CLOCK)
             events.emit(events.COMM_DONE, **c, end=time.perf_counter())
 
 
@@ -179,7 +184,7 @@ def test_a_failed_call_does_not_delay_the_call_queued_behind_it():
     with events.listen(em):
         a, b = _issue(), _issue()
         events.emit(events.COMM_FAILED, **a, error="RuntimeError: gone")
-        assert em.ops == 1 and em.free_at == pytest.approx(b["start"] + 0.05)
+        assert em.ops == 1 and em.free_at == pytest.approx(b["start"] + 0.05, abs=_CLOCK)
         events.emit(events.COMM_DONE, **b, end=time.perf_counter())
     assert em.link_time_s == pytest.approx(0.05) and em.slept_s <= em.link_time_s + 1e-9
 
@@ -193,7 +198,7 @@ def test_a_call_that_landed_keeps_its_slot_when_one_ahead_of_it_fails():
         b_finish = em.free_at - 0.05  # booked behind A: A's 0.05 s, then its own
         events.emit(events.COMM_DONE, **b, end=time.perf_counter())
         events.emit(events.COMM_FAILED, **a, error="RuntimeError: gone")
-        assert em.ops == 2 and em.free_at == pytest.approx(b_finish + 0.05)
+        assert em.ops == 2 and em.free_at == pytest.approx(b_finish + 0.05, abs=_CLOCK)
         events.emit(events.COMM_DONE, **c, end=time.perf_counter())
     assert em.link_time_s == pytest.approx(0.1)
 
@@ -207,7 +212,7 @@ def test_a_failure_moves_no_call_later():
         m_finish = em.free_at - 0.05
         events.emit(events.COMM_DONE, **last, end=time.perf_counter())
         events.emit(events.COMM_FAILED, **a, error="RuntimeError: gone")
-        assert em.free_at == pytest.approx(m_finish + 0.05)  # L's finish: the link's last transfer
+        assert em.free_at == pytest.approx(m_finish + 0.05, abs=_CLOCK)  # L's finish: the link's last transfer
         slept = em.slept_s  # L's sleep, up to its booked finish: M's, earlier, has passed
         events.emit(events.COMM_DONE, **m, end=time.perf_counter())
     assert em.ops == 2 and em.link_time_s == pytest.approx(0.1)
@@ -223,6 +228,6 @@ def test_a_call_that_landed_and_left_the_queue_still_holds_its_slot():
         a_finish = em.free_at - 0.1
         events.emit(events.COMM_DONE, **a, end=time.perf_counter())
         events.emit(events.COMM_FAILED, **b, error="RuntimeError: gone")
-        assert em.ops == 2 and em.free_at == pytest.approx(a_finish + 0.05)
+        assert em.ops == 2 and em.free_at == pytest.approx(a_finish + 0.05, abs=_CLOCK)
         events.emit(events.COMM_DONE, **c, end=time.perf_counter())
     assert not em._queue  # bookings that landed are history: the queue keeps none

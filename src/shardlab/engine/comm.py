@@ -97,12 +97,14 @@ class Pending:
                 self._failed(exc)
                 raise
             self._work = None
-        if self._event is not None:
-            event, self._event = self._event, None
-            event["end"] = time.perf_counter()
-            events.emit(events.COMM_DONE, **event)
-        self._buffers = ()  # landed and announced: the caller keeps what it still needs
-        _live.pop(self._number, None)
+        try:
+            if self._event is not None:
+                event, self._event = self._event, None
+                event["end"] = time.perf_counter()
+                events.emit(events.COMM_DONE, **event)  # an interrupt may come out of a listener
+        finally:  # landed either way: not in flight, and the caller keeps what it still needs
+            self._buffers = ()
+            _live.pop(self._number, None)
 
     def _failed(self, exc: BaseException) -> None:
         """The call raised: it is not in flight, whoever still holds it (a traceback's frame).

@@ -41,20 +41,24 @@ def set_phase(name: str) -> None:
 
 
 def emit(name: str, **fields) -> None:
-    """Tell every listener that ``name`` happened now (``fields`` describe it)."""
+    """Tell every listener that ``name`` happened now (``fields`` describe it).
+
+    Every listener hears the event even if one before it raised; the first error is raised once
+    all have heard, and later ones are dropped. A listener's error stops no other listener.
+    """
     if not _listeners:
         return
     fields.setdefault("time", time.perf_counter())
     fields.setdefault("phase", phase)
     first_error = None
     for listener in list(_listeners):
-        # Every listener hears every event, even when one before it raised (an interrupt in the
-        # emulated link's sleep, say): a ledger that missed a COMM_DONE would keep the call in
-        # flight for good. The first error is raised once all have heard.
+        # An interrupt in the emulated link's sleep, say: a ledger that missed that COMM_DONE
+        # would keep the call in flight for good.
         try:
             listener(name, fields)
         except BaseException as exc:
-            first_error = first_error or exc
+            if first_error is None:
+                first_error = exc
     if first_error is not None:
         raise first_error
 
@@ -66,7 +70,8 @@ def active() -> bool:
 
 @contextmanager
 def listen(listener: Listener, *, first: bool = False):
-    """Call ``listener(name, fields)`` for every event emitted inside the ``with`` block.
+    """Call ``listener(name, fields)`` for every event emitted inside the ``with`` block
+    (an error it raises reaches the emitter, after the other listeners: see :func:`emit`).
 
     Listeners share one ``fields`` dict per event; ``first=True`` puts a listener ahead of
     the others, so that what it changes (slow-link emulation delays ``end``) is what they see.

@@ -140,7 +140,9 @@ def link_delay(kind, numel, dtype_or_itemsize, world_size, bandwidth_gbps, laten
 
 @dataclass
 class _Booking:
-    """One transfer on the link: issued at ``start``, ``cost`` seconds long, done at ``finish``."""
+    """One transfer on the link: issued at ``start``, ``cost`` seconds long, done at ``finish``;
+    ``landed`` once its ``comm_done`` came (its slot is then fixed: the link did carry it).
+    Booked under its call's (kind, start, unit): perf_counter starts tell calls apart."""
 
     start: float
     cost: float

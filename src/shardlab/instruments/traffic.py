@@ -117,6 +117,7 @@ class Ledger:
             row["ring_bytes"] += ring
             rec = {k: f[k] for k in ("kind", "phase", "unit", "numel", "dtype", "start")}
             rec.update(ring_bytes=ring, wire_bytes=0, overlapped=len(self._in_flight))
+            self._cuda |= f.get("device", "cpu") == "cuda"
             for other in self._in_flight:
                 other["overlapped"] += 1
             self._in_flight.append(rec)
@@ -124,7 +125,6 @@ class Ledger:
         elif name == events.COMM_DONE:
             self._advance()
             self.rows[(f["phase"], f["kind"])]["seconds"] += f["end"] - f["start"]
-            self._cuda |= f.get("device", "cpu") == "cuda"  # landed: NCCL carried it, not gloo
             rec = self._take_in_flight(f)
             if rec is not None:
                 rec["end"] = f["end"]
