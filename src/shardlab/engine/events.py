@@ -44,7 +44,7 @@ def emit(name: str, **fields) -> None:
     """Tell every listener that ``name`` happened now (``fields`` describe it).
 
     Every listener hears the event even if one before it raised; the first error is raised once
-    all have heard, and later ones are dropped. A listener's error stops no other listener.
+    all have heard, and later ones are dropped.
     """
     if not _listeners:
         return

@@ -215,11 +215,12 @@ def table(plans: list[Strategy], unit: str = "GB") -> str:
     lines = [head + f"   ({unit} per GPU; sent: per step)", "-" * len(head)]
     for p in plans:
         lines.append(f"{p.name:<32}{p.model_states / scale:>9.2f}{p.activations / scale:>9.2f}"
-                     f"{p.memory / scale:>9.2f}{_times(p.memory, ref.memory)}"
-                     f"{p.sent / scale:>9.2f}{_times(p.sent, ref.sent)}")
+                     f"{p.memory / scale:>9.2f}{_multiple(p.memory, ref.memory)}"
+                     f"{p.sent / scale:>9.2f}{_multiple(p.sent, ref.sent)}")
     return "\n".join(lines)
 
 
-def _times(value: float, ref: float) -> str:
-    """``value`` as a multiple of ZeRO-3's, or a dash where ZeRO-3's is 0 (one GPU sends nothing)."""
+def _multiple(value: float, ref: float) -> str:
+    """``value`` as a multiple of the first plan's (ZeRO-3 in :func:`compare`), or a dash where
+    that is 0 (ZeRO-3 on one GPU sends nothing)."""
     return f"{value / ref:>10.2f}" if ref else f"{'—':>10}"
