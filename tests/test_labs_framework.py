@@ -6,6 +6,7 @@ The per-lab checkers are tested with wrong solutions in test_labs_checks.py.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import linecache
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lab5_mistakes
 import pytest
 import torch
 from support import SLOWDOWN, slowdown
@@ -221,15 +223,7 @@ def stub(shard, numel, world_size):
 
 def raises(shard, numel, world_size):
     return shard.view(3, 7)
-
-def past_the_end(units, x):  # lab 5, no bound check: the last unit has no next one
-    for i, unit in enumerate(units):
-        unit.gather()
-        units[i + 1].gather(async_op=True)
-        x = unit.module(x)
-        unit.free()
-    return x
-'''
+''' + "\n" + inspect.getsource(lab5_mistakes.forward_prefetch_past_the_end)  # lab 5: no bound check
 
 
 @pytest.mark.slow
@@ -257,7 +251,7 @@ def test_check_in_a_notebook_survives_a_deadlock_and_keeps_the_cluster(capsys, m
         out = capsys.readouterr().out
         assert "your function raised RuntimeError" in out and "line 19 of your cell" in out, out
         assert "Traceback" not in out
-        assert check("lab5.forward_prefetch", ns["past_the_end"]) is False  # read off the cell's line
+        assert check("lab5.forward_prefetch", ns["forward_prefetch_past_the_end"]) is False  # read off the cell's line
         out = capsys.readouterr().out
         assert "the last unit has no next one" in out, out
         assert check("lab1.gather_full", ns["gather_full"]) is True  # the cluster is usable again
